@@ -1,0 +1,244 @@
+"""Host-sync audit: `count_syncs()` counts the operations that would stall the host on a GPU.
+
+A host sync is any op whose result (a Python number, a data-dependent output shape, host
+memory) is only known once the device has caught up: `.item()`, `.tolist()`, `nonzero`,
+boolean-mask indexing, `unique`, `.cpu()`, `if tensor:` ... One per layer is 40 stalls a
+step on a 40-layer model, each draining the launch queue.
+
+Ops are judged by what they would do on CUDA, so the audit works on CPU tensors too: a CPU
+test reading 0 proves the GPU path sync-free. Two interposers cooperate:
+- a TorchFunctionMode sees Python-level methods that never reach the dispatcher as an op
+  (`.tolist()`, `.numpy()`, `.cpu()`, `__bool__`, `x[mask] = 0.0`);
+- a TorchDispatchMode sees aten ops, including those run by autograd in backward and
+  those called from inside other torch functions (`_local_scalar_dense`, `nonzero`,
+  `index` with a bool index, `_unique2`, ...).
+While the function mode handles a call it counts, the dispatch mode ignores what that call
+dispatches, so one `.item()` counts once.
+
+Copies to the CPU: `.cpu()` and `.numpy()` always count (their only purpose is host data;
+on a GPU they sync). `.to(...)`/`copy_` count when the source is on a device; on a CPU run a
+`.to(x.device)` looks like a CPU->CPU copy and does not count, unless `cpu_copies=True`,
+which also counts `.to("cpu")`-style copies of CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Python-level methods that sync by themselves.
+_SYNC_METHODS = {
+    torch.Tensor.item: "item",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.cpu: "cpu",
+    torch.Tensor.numpy: "numpy",
+    torch.Tensor.__array__: "numpy",
+    torch.Tensor.__bool__: "bool(tensor)",
+    torch.Tensor.__int__: "int(tensor)",
+    torch.Tensor.__float__: "float(tensor)",
+    torch.Tensor.__index__: "index(tensor)",
+    torch.Tensor.__complex__: "complex(tensor)",
+}
+
+# aten overload packets that sync on CUDA whatever their arguments.
+_SYNC_OPS = {
+    aten._local_scalar_dense: "item",
+    aten.is_nonzero: "bool(tensor)",
+    aten.equal: "equal",
+    aten.allclose: "allclose",
+    aten.nonzero: "nonzero",
+    aten.argwhere: "nonzero",
+    aten.masked_select: "masked_select",
+    aten.unique_dim: "unique",
+    aten._unique: "unique",
+    aten._unique2: "unique",
+    aten.unique_consecutive: "unique",
+    aten.unique_dim_consecutive: "unique",
+    aten.bincount: "bincount",  # CUDA bincount reads max(x) back to size its output
+}
+_INDEX_PUT_OPS = {aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def _is_tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor)
+
+
+def _is_mask(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _index_has_mask(index: object) -> bool:
+    if isinstance(index, tuple | list):
+        return any(_is_mask(i) for i in index)
+    return _is_mask(index)
+
+
+def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device a `Tensor.to(...)` call names, or None when it names none."""
+    for a in (*args[1:], kwargs.get("device")):
+        if isinstance(a, str | torch.device):
+            return torch.device(a)
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+class SyncCounts:
+    """Result of `count_syncs()`: `.total`, `.by_op` (name -> count), `.sites` (name -> first
+    call site outside torch, "file:line")."""
+
+    def __init__(self) -> None:
+        self.by_op: dict[str, int] = {}
+        self.sites: dict[str, str] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def add(self, name: str) -> None:
+        if name not in self.by_op:
+            self.sites[name] = _call_site()
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+
+    def __str__(self) -> str:
+        if not self.by_op:
+            return "0 host syncs"
+        parts = [f"{n} x{c} (first at {self.sites[n]})" for n, c in sorted(self.by_op.items())]
+        return f"{self.total} host syncs: " + ", ".join(parts)
+
+    __repr__ = __str__
+
+
+_HERE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _call_site() -> str:
+    # Only paid when a sync is first seen per op name, so cost does not matter.
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path != _HERE and not path.startswith(_TORCH_DIR) and "contextlib" not in path:
+            return f"{os.path.basename(path)}:{frame.lineno}"
+    return "?"
+
+
+class _FunctionCounter(TorchFunctionMode):
+    def __init__(self, counts: SyncCounts, cpu_copies: bool) -> None:
+        super().__init__()
+        self.counts, self.cpu_copies, self.quiet = counts, cpu_copies, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = self._sync_name(func, args, kwargs)
+        if name is None:
+            return func(*args, **kwargs)
+        if name:
+            self.counts.add(name)
+        self.quiet += 1  # what this call dispatches is accounted for here
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.quiet -= 1
+
+    def _sync_name(self, func, args: tuple, kwargs: dict) -> str | None:
+        """A name to count; "" to run without counting what it dispatches; None to pass."""
+        if func in _SYNC_METHODS:
+            return _SYNC_METHODS[func]
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            dst = _target_device(args, kwargs)
+            if dst is None or dst.type != "cpu":
+                return None
+            if args[0].device.type != "cpu" or self.cpu_copies:
+                return "copy to cpu"
+            return ""
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            index, value = args[1], args[2]
+            # `x[mask] = 0.0` becomes masked_fill_ on the device: no sync (index_put_ checks
+            # for one bool index and a one-element CPU value, which a Python number becomes).
+            parts = index if isinstance(index, tuple) else (index,)
+            tensors = [i for i in parts if _is_tensor(i)]
+            if isinstance(value, int | float | bool) and len(tensors) == 1 and _is_mask(tensors[0]):
+                return ""
+        return None
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, counts: SyncCounts, functions: _FunctionCounter) -> None:
+        super().__init__()
+        self.counts, self.functions = counts, functions
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.functions.quiet:
+            name = self._sync_name(func, args, kwargs)
+            if name:
+                self.counts.add(name)
+        return func(*args, **kwargs)
+
+    def _sync_name(self, func, args: tuple, kwargs: dict) -> str | None:
+        packet = func.overloadpacket
+        if packet in _SYNC_OPS:
+            return _SYNC_OPS[packet]
+        if packet is aten.index and _index_has_mask(args[1]):
+            return "bool-mask index"
+        if packet in _INDEX_PUT_OPS and _index_has_mask(args[1]):
+            return "bool-mask index_put"
+        # Tensor repeats: the output length is sum(repeats), read back unless given.
+        if (
+            packet is aten.repeat_interleave
+            and func is not aten.repeat_interleave.self_int
+            and kwargs.get("output_size") is None
+        ):
+            return "repeat_interleave"
+        if packet is aten._to_copy:
+            src, dst = args[0], kwargs.get("device")
+            if dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu":
+                return "copy to cpu"
+        if packet is aten.copy_:
+            dst, src = args[0], args[1]
+            if dst.device.type == "cpu" and src.device.type != "cpu":
+                return "copy to cpu"
+        return None
+
+
+def _wrap_sync_function(counts: SyncCounts, fn, name: str):
+    def counted(*args, **kwargs):
+        counts.add(name)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+@contextlib.contextmanager
+def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
+    """Count host-sync ops run inside the block, forward and backward, on any device.
+
+    `with count_syncs() as c: loss.backward()` then `c.total`, `c.by_op`, `print(c)`.
+    """
+    counts = SyncCounts()
+    functions = _FunctionCounter(counts, cpu_copies)
+    # Explicit synchronize calls are plain Python functions: wrap them for the block.
+    patched = [
+        (torch.cuda, "synchronize", "cuda.synchronize"),
+        (torch.cuda.Stream, "synchronize", "stream.synchronize"),
+        (torch.cuda.Event, "synchronize", "event.synchronize"),
+    ]
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+        patched.append((torch.accelerator, "synchronize", "accelerator.synchronize"))
+    originals = [getattr(owner, attr) for owner, attr, _ in patched]
+    for (owner, attr, name), fn in zip(patched, originals):
+        setattr(owner, attr, _wrap_sync_function(counts, fn, name))
+    try:
+        with _DispatchCounter(counts, functions), functions:
+            yield counts
+    finally:
+        for (owner, attr, _), fn in zip(patched, originals):
+            setattr(owner, attr, fn)

@@ -1,0 +1,175 @@
+"""count_syncs(): each sync op is seen on CPU, sync-free model code reads 0."""
+
+import pytest
+import torch
+from torch import nn
+
+from slipstream.debug import count_syncs
+
+x = torch.randn(6, 4)
+mask = x > 0
+ids = torch.tensor([3, 1, 3, 0])
+
+SYNC_CASES = {
+    "item": lambda: x[0, 0].item(),
+    "tolist": lambda: ids.tolist(),
+    "nonzero": lambda: mask.nonzero(),
+    "nonzero as_tuple": lambda: torch.nonzero(mask, as_tuple=True),
+    "where(cond)": lambda: torch.where(mask),
+    "argwhere": lambda: torch.argwhere(mask),
+    "masked_select": lambda: torch.masked_select(x, mask),
+    "unique": lambda: torch.unique(ids),
+    "unique sorted counts": lambda: ids.unique(sorted=True, return_counts=True),
+    "unique dim": lambda: torch.unique(x, dim=0),
+    "unique_consecutive": lambda: torch.unique_consecutive(ids),
+    "bool getitem": lambda: x[mask],
+    "bool getitem rows": lambda: x[mask[:, 0]],
+    "bool setitem tensor": lambda: x.clone().__setitem__(mask, torch.zeros(())),
+    "bool setitem values": lambda: x.clone().__setitem__(mask, x[mask] * 2),
+    "index_put bool": lambda: x.clone().index_put_((mask,), torch.tensor(1.0)),
+    "repeat_interleave": lambda: torch.arange(4).repeat_interleave(ids),
+    "repeat_interleave counts": lambda: torch.repeat_interleave(ids),
+    "bincount": lambda: torch.bincount(ids),
+    "cpu": lambda: x.cpu(),
+    "numpy": lambda: x.numpy(),
+    "to cpu (cpu_copies)": None,  # handled in its own test
+    "bool": lambda: bool(x[0, 0] > 0),
+    "if tensor": lambda: 1 if (x.sum() > 0) else 0,
+    "int": lambda: int(ids[0]),
+    "float": lambda: float(x[0, 0]),
+    "index": lambda: [0, 1, 2, 3][ids[0]],
+    "equal": lambda: torch.equal(x, x),
+    "allclose": lambda: torch.allclose(x, x),
+    "cuda.synchronize": lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None,
+}
+
+
+@pytest.mark.parametrize("name", [k for k, v in SYNC_CASES.items() if v is not None])
+def test_each_sync_op_is_counted(name):
+    if name == "cuda.synchronize" and not torch.cuda.is_available():
+        # torch.cuda.synchronize raises without CUDA; check the wrapper is installed instead.
+        with count_syncs() as c, pytest.raises((RuntimeError, AssertionError)):
+            torch.cuda.synchronize()
+        assert c.by_op == {"cuda.synchronize": 1}
+        return
+    with count_syncs() as c:
+        SYNC_CASES[name]()
+    assert c.total >= 1, name
+
+
+def test_one_call_counts_once():
+    with count_syncs() as c:
+        x[0, 0].item()
+        ids.tolist()
+        bool(x[0, 0] > 0)
+        x[mask]
+        x.cpu()
+    assert c.by_op == {
+        "item": 1,
+        "tolist": 1,
+        "bool(tensor)": 1,
+        "bool-mask index": 1,
+        "cpu": 1,
+    }
+    assert c.total == 5
+    text = str(c)
+    assert "5 host syncs" in text and "test_debug.py" in text
+
+
+def test_copies_to_cpu():
+    # On a CPU run `.to(x.device)` is CPU->CPU; it only counts when asked.
+    with count_syncs() as c:
+        x.to("cpu")
+        x.to(torch.device("cpu"), torch.float64)
+        y = torch.empty(6, 4)
+        y.copy_(x)
+    assert c.total == 0
+    with count_syncs(cpu_copies=True) as c:
+        x.to("cpu")
+        x.to(device="cpu")
+        x.to(torch.float64)  # no device: not a copy to the host
+    assert c.by_op == {"copy to cpu": 2}
+
+
+def test_sync_free_ops_read_zero():
+    w = torch.randn(4, 5, requires_grad=True)
+    with count_syncs() as c:
+        h = (x @ w).softmax(-1)
+        g = h.index_select(0, ids)
+        acc = torch.zeros(4, 5).scatter_add(0, ids[:, None].expand(-1, 5), g)
+        order = torch.argsort(ids, stable=True)
+        offsets = torch.cumsum(torch.zeros(4, dtype=torch.long).scatter_add(0, ids, ids), 0)
+        y = x.clone()
+        y[mask] = 0.0  # masked_fill_ on the device: no sync
+        y.masked_fill_(~mask, 1.0)
+        sel = torch.where(mask, x, 0.0)
+        nz = torch.nonzero_static(mask.flatten(), size=4)
+        rep = torch.arange(4).repeat_interleave(ids, output_size=7)
+        rep2 = torch.arange(4).repeat_interleave(2)
+        (acc.sum() + offsets.sum() + order.sum() + sel.sum() + nz.sum() + rep.sum()).backward()
+    assert c.total == 0, str(c)
+    assert rep2.numel() == 8
+
+
+def test_module_forward_backward_reads_zero():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU())
+    head = nn.Linear(16, 11)
+    tokens = torch.randint(0, 11, (13,))
+    labels = tokens.roll(-1)
+    labels[-1] = -100
+    with count_syncs() as c:
+        loss = nn.functional.cross_entropy(head(model(tokens)), labels, ignore_index=-100)
+        loss.backward()
+    assert c.total == 0, str(c)
+    assert head.weight.grad is not None
+
+
+class _SyncingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = grad.abs().max().item()  # a host sync hidden in backward
+        return grad * 2 + 0 * scale
+
+
+def test_sync_in_custom_backward_is_counted():
+    a = torch.randn(5, requires_grad=True)
+    out = _SyncingBackward.apply(a).sum()
+    with count_syncs() as c:
+        out.backward()
+    assert c.by_op == {"item": 1}
+
+
+def test_sync_in_autograd_backward_of_indexing_is_counted():
+    a = torch.randn(6, 4, requires_grad=True)
+    out = a[mask].sum()  # backward of a bool index is an index_put with the mask
+    with count_syncs() as c:
+        out.backward()
+    assert c.total >= 1
+
+
+def test_nested_blocks_both_count():
+    with count_syncs() as outer:
+        x[0, 0].item()
+        with count_syncs() as inner:
+            ids.tolist()
+            mask.nonzero()
+        x.sum()
+    assert inner.by_op == {"tolist": 1, "nonzero": 1}
+    assert outer.by_op == {"item": 1, "tolist": 1, "nonzero": 1}
+    # The modes are gone after the block.
+    with count_syncs() as after:
+        pass
+    ids.tolist()
+    assert after.total == 0 and outer.total == 3
+
+
+def test_patched_synchronize_restored():
+    before = torch.cuda.synchronize
+    with count_syncs():
+        assert torch.cuda.synchronize is not before
+    assert torch.cuda.synchronize is before
