@@ -1,0 +1,225 @@
+"""Hugging Face checkpoints: `load_model` and `save_model`.
+
+Loading streams tensors shard by shard straight into a model allocated once in the target
+dtype on the target device (built on the meta device first), so a 16 GB checkpoint never
+costs 32 GB: one tensor at a time is in flight. Saving writes the HF layout (config.json,
+model.safetensors, sharded with an index above 5 GB) atomically: temp files, then renames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from slipstream.models import family_for
+from slipstream.models.common import CausalLM
+
+SHARD_BYTES = 5 * 1024**3
+# Tensors some checkpoints carry that are derived, not learned.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU (no native bf16 on most CPUs); bf16 on accelerators."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def load_model(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CausalLM:
+    """Load a local HF folder, a `.gguf` file, or a hub repo id into a slipstream model."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    dtype = dtype or default_dtype(device)
+    path = Path(path_or_repo_id)
+    if path.suffix == ".gguf":
+        from slipstream.checkpoint.gguf import read_gguf
+
+        if not path.is_file():
+            raise ValueError(f"GGUF file {path} does not exist.")
+        hf, tensors = read_gguf(path)
+        return _load(hf, tensors, dtype, device, str(path))
+    folder = _resolve_folder(path_or_repo_id)
+    hf = read_config(folder)
+    return _load(hf, _safetensors_tensors(folder), dtype, device, str(folder))
+
+
+def read_config(folder: Path) -> dict:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path} not found: a checkpoint folder needs config.json.")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
+    path = Path(path_or_repo_id)
+    if path.exists():
+        return path
+    text = str(path_or_repo_id)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    raise ValueError(f"{path} does not exist (neither a local folder nor a hub repo id).")
+
+
+def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json found.")
+    for name in files:
+        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, f.get_tensor(key)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _load(hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: str) -> CausalLM:
+    family = family_for(hf.get("model_type"), f"{source}/config.json")
+    cfg = family.config_from_hf(hf)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = family.build(cfg)
+    model.to_empty(device=device)
+    model.model.reset_rope()
+    params = dict(model.named_parameters())
+    custom = getattr(family, "load_tensor", None)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if custom is not None and custom(model, name, tensor):
+                loaded.add(name)
+                continue
+            if name.endswith(IGNORED_SUFFIXES) or (
+                name == "lm_head.weight" and cfg.tie_word_embeddings
+            ):
+                continue
+            if name not in params:
+                raise ValueError(f"{source}: unexpected tensor {name!r} for {cfg.model_type}.")
+            _copy_checked(params[name], tensor, name, source)
+            loaded.add(name)
+    missing = [n for n in _expected_names(model, family) if n not in loaded]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
+    return model
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(param.shape)} from config.json."
+        )
+    param.copy_(tensor)
+
+
+def _expected_names(model: nn.Module, family) -> list[str]:
+    expected = getattr(family, "expected_tensor_names", None)
+    if expected is not None:
+        return list(expected(model))
+    return [n for n, _ in model.named_parameters()]
+
+
+def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs in the on-disk layout."""
+    family = family_for(model.config.model_type)
+    custom = getattr(family, "hf_tensors", None)
+    if custom is not None:
+        yield from custom(model)
+        return
+    for name, p in model.named_parameters():
+        yield name, p.detach()
+
+
+def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
+    """Write config.json + safetensors in the HF layout that `transformers` loads unchanged."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = dict(hf_state(model))
+    lora = [n for n in state if "lora_" in n or ".base_layer." in n]
+    if lora:
+        raise ValueError(
+            f"save_model: the model still has LoRA layers ({lora[0]}); "
+            "use export_merged() (or merge_lora) to fold them in first."
+        )
+    shards = _shard(state)
+    dtype = next(iter(state.values())).dtype
+    if len(shards) == 1:
+        _atomic_save(shards[0], out / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save(shard, out / fname)
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    hf = dict(model.config.hf)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    atomic_write_text(out / "config.json", json.dumps(hf, indent=2, sort_keys=True))
+    return out
+
+
+def _shard(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous().cpu()
+        size += nbytes
+    return shards
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file so an interrupted write never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,28 @@
+"""Model families, one file each, looked up by config.json's `model_type`.
+
+A family module provides `config_from_hf(hf) -> ModelConfig` and `build(cfg) -> CausalLM`,
+and, when its weights are not stored under our parameter names (stacked MoE experts),
+`load_tensor(model, name, tensor) -> bool` and `hf_tensors(model) -> iterator of (name, t)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# model_type -> module name under slipstream.models
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen3": "qwen3",
+}
+
+
+def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
+    """The family module for `model_type`, or a one-line error listing the supported ones."""
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {supported}."
+        )
+    return importlib.import_module(f"slipstream.models.{FAMILIES[model_type]}")

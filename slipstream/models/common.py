@@ -1,0 +1,214 @@
+"""Building blocks shared by the model families: config, RMSNorm, attention, SwiGLU MLP,
+decoder layer and the causal LM shell.
+
+Layout is the flat packed one: hidden states are (T, D) with no batch dimension; a `SeqInfo`
+carries the sequence boundaries. Module and parameter names mirror Hugging Face's, so for the
+dense families a checkpoint loads by name with no mapping at all.
+
+Shapes: T tokens, D hidden, H query heads, G kv heads, Dh head dim, V vocab, F mlp width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
+from slipstream.ops.attention import attend
+from slipstream.ops.loss import linear_cross_entropy
+from slipstream.ops.packing import SeqInfo
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def base_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """Fields every Llama-like config.json has; families pass what differs as overrides."""
+    heads = hf["num_attention_heads"]
+    kwargs = dict(
+        model_type=hf["model_type"],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=RopeConfig.from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        hf=dict(hf),
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (bf16 variance loses ~3 digits), scale in the input dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE over packed sequences."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+        super().__init__()
+        D, H, G, Dh = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = H, G, Dh
+        self.window = window
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(D, H * Dh, bias=bias)
+        self.k_proj = nn.Linear(D, G * Dh, bias=bias)
+        self.v_proj = nn.Linear(D, G * Dh, bias=bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=bias)
+
+    def project_qkv(self, x_TD: torch.Tensor):
+        T = x_TD.shape[0]
+        q_THD = self.q_proj(x_TD).view(T, self.num_heads, self.head_dim)
+        k_TGD = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        v_TGD = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        return q_THD, k_TGD, v_TGD
+
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
+        q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
+        o_THD = attend(q_THD, k_TGD, v_TGD, seq, window=self.window)
+        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), seq, cos_sin)
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+
+
+class Backbone(nn.Module):
+    """Embeddings, the decoder layers, the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_config, self.head_dim = cfg.rope, cfg.head_dim
+        inv_freq, self.rope_scale = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE buffer (after `to_empty` left it uninitialised)."""
+        inv_freq, self.rope_scale = rope_inv_freq(self.rope_config, self.head_dim)
+        self.inv_freq.copy_(inv_freq)
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        x_TD = self.embed_tokens(input_ids_T)
+        # Built once per forward, shared by every layer.
+        cos_sin = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, x_TD.dtype)
+        for layer in self.layers:
+            x_TD = layer(x_TD, seq, cos_sin)
+        return self.norm(x_TD)
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids, seq)` -> logits (T, V); `model.loss(...)` without full fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, layers)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        _check_batch(input_ids_T, seq)
+        return self.model(input_ids_T, seq)
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        return F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+
+    def loss(
+        self,
+        input_ids_T: torch.Tensor,
+        labels_T: torch.Tensor,
+        seq: SeqInfo,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Cross-entropy over positions whose label is not -100 (labels already shifted)."""
+        if labels_T.shape != input_ids_T.shape:
+            raise ValueError(
+                f"labels has shape {tuple(labels_T.shape)} but input_ids has "
+                f"{tuple(input_ids_T.shape)}; they must match (flat packed layout)."
+            )
+        h_TD = self.hidden_states(input_ids_T, seq)
+        return linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
+
+
+def _check_batch(input_ids_T: torch.Tensor, seq: SeqInfo) -> None:
+    if input_ids_T.dim() != 1:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids_T.shape)}; slipstream uses the flat packed "
+            "layout (T,): concatenate the sequences and describe them with a SeqInfo."
+        )
+    if input_ids_T.shape[0] != seq.total_tokens:
+        raise ValueError(
+            f"input_ids has {input_ids_T.shape[0]} tokens but sum(seq.lengths) = "
+            f"{seq.total_tokens}; they must be equal."
+        )

@@ -1,0 +1,1 @@
+"""Ops: packed metadata, attention, MoE routing, loss. Model code calls these by name."""

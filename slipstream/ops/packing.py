@@ -1,0 +1,113 @@
+"""Packed-sequence metadata, built once per batch on the host.
+
+Layout: tokens of several sequences are concatenated into one flat `(T,)` stream with no
+padding (the varlen convention). `SeqInfo` holds the boundaries. Everything here is computed
+from a Python list of lengths on the host and reaches the device in one non-blocking copy, so
+no layer ever has to ask the device how long a sequence is (each such question is a host sync:
+one per layer is 28 stalls a step on a 28-layer model).
+
+Derived attention structures (dense masks for the CPU path, FlexAttention block masks) are
+cached on the `SeqInfo` under a key, so they are built at most once per forward and shared by
+every layer.
+
+Shapes: T = total tokens, N = number of sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class SeqInfo:
+    """Boundaries of the sequences packed into one flat batch.
+
+    lengths: host tuple of the N sequence lengths.
+    cu_seqlens: (N+1,) int32 cumulative offsets, on the device.
+    max_seqlen: longest sequence, a Python int (no sync to read it).
+    max_seqlen_t: the same as a 0-d int32 tensor on the device, for compiled code.
+    position_ids: (T,) int64 position of each token inside its own sequence.
+    seq_ids: (T,) int32 index of the sequence each token belongs to.
+    """
+
+    lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    max_seqlen_t: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def device(self) -> torch.device:
+        return self.position_ids.device
+
+    @classmethod
+    def from_lengths(
+        cls, lengths: Sequence[int], device: torch.device | str | None = None
+    ) -> SeqInfo:
+        """Build all metadata on the host from `lengths`; one non-blocking copy to `device`."""
+        lengths = tuple(_check_lengths(lengths))
+        total = sum(lengths)
+        cu = [0, *itertools.accumulate(lengths)]
+        positions = [p for n in lengths for p in range(n)]
+        seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
+        # One host buffer: [cu_seqlens (N+1) | max_seqlen (1) | positions (T) | seq_ids (T)].
+        host = torch.tensor([*cu, max(lengths), *positions, *seq_ids], dtype=torch.int32)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda":
+            host = host.pin_memory()
+        buf = host.to(device, non_blocking=True)
+        n = len(lengths)
+        return cls(
+            lengths=lengths,
+            cu_seqlens=buf[: n + 1],
+            max_seqlen=max(lengths),
+            max_seqlen_t=buf[n + 1],
+            position_ids=buf[n + 2 : n + 2 + total].long(),
+            seq_ids=buf[n + 2 + total :],
+        )
+
+    def to(self, device: torch.device | str) -> SeqInfo:
+        """The same metadata on `device` (rebuilt from the host lengths: one copy, no sync)."""
+        if torch.device(device) == self.device:
+            return self
+        return SeqInfo.from_lengths(self.lengths, device)
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Return the derived structure under `key`, building it on first use only."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    if isinstance(lengths, torch.Tensor):
+        raise ValueError(
+            "SeqInfo.from_lengths takes a host list of ints, not a tensor "
+            "(reading a device tensor would sync the host); pass lengths.tolist() once."
+        )
+    out = list(lengths)
+    if not out:
+        raise ValueError("SeqInfo.from_lengths: lengths is empty; a batch needs >= 1 sequence.")
+    for i, n in enumerate(out):
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise ValueError(f"SeqInfo.from_lengths: lengths[{i}] = {n!r} is not an int.")
+        if n <= 0:
+            raise ValueError(
+                f"SeqInfo.from_lengths: lengths[{i}] = {n}; every sequence needs >= 1 token."
+            )
+    return out

@@ -1,0 +1,50 @@
+"""Tiny random Hugging Face checkpoints, built with transformers and saved locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LLAMA_BASE = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def make_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A transformers model in float32 with random weights (norm weights randomised too)."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[model_type]
+    kwargs = {**LLAMA_BASE, **overrides}
+    if model_type == "qwen3":
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if model_type == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # ones by default: randomise so a dropped norm shows up
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def save_hf_model(model, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    return directory
