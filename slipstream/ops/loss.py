@@ -1,0 +1,142 @@
+"""Cross-entropy of a linear head without materialising the full float32 logits.
+
+Shapes: T tokens (flat, packed), D hidden size, V vocabulary, C rows in one chunk.
+`hidden_TD @ weight_VD.T` as float32 is T*V*4 bytes: 9.7 GB for 16k tokens of Qwen3's
+151,936-word vocabulary, more than the rest of a LoRA step. Two backends:
+- "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
+  (its chunked path; torch >= 2.13), used where the installed torch has it;
+- "chunked": our `torch.autograd.Function` over chunks of T rows. Forward computes, per
+  chunk, float32 logits, the loss, and the gradients w.r.t. hidden, weight and bias; only
+  the gradients are kept (T*D + V*D floats), so backward is a scale by the upstream grad.
+
+Both reduce with a sum on the device; "mean" divides by the count of labels != ignore_index
+clamped to 1, so a batch with no labels gives 0, not NaN, and nothing reads back to the host.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def _torch_has_chunked_lce() -> bool:
+    fn = getattr(F, "linear_cross_entropy", None)
+    if fn is None or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return False
+    # Without `options` torch's op is linear + cross_entropy: full logits, no saving.
+    params = inspect.signature(fn).parameters
+    return all(p in params for p in ("options", "ignore_index", "reduction", "linear_bias"))
+
+
+# Module-level switch: tests and benchmarks set it to False to force the chunked fallback.
+USE_TORCH_LCE: bool = _torch_has_chunked_lce()
+
+# Rows per chunk in the fallback: 2**26 float32 logits (256 MB) per chunk at most.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def linear_cross_entropy(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden_TD @ weight_VD.T (+ bias)` against `labels_T`, in float32.
+
+    reduction "sum" or "mean" (over labels != ignore_index; 0 when there are none).
+    backend None picks "torch" where available (see USE_TORCH_LCE), else "chunked".
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} is not supported; use 'mean' or 'sum'")
+    backend = backend or ("torch" if USE_TORCH_LCE else "chunked")
+    if backend not in ("torch", "chunked"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'torch' or 'chunked'")
+    if hidden_TD.shape[:-1] != labels_T.shape:
+        raise ValueError(
+            f"hidden shape {tuple(hidden_TD.shape)} does not match labels shape "
+            f"{tuple(labels_T.shape)}: expected hidden (..., D) and labels (...)"
+        )
+    hidden_TD = hidden_TD.reshape(-1, hidden_TD.shape[-1])
+    labels_T = labels_T.reshape(-1).long()
+    if backend == "torch":
+        loss_sum = F.linear_cross_entropy(
+            hidden_TD,
+            weight_VD,
+            labels_T,
+            linear_bias=bias,
+            reduction="sum",
+            ignore_index=ignore_index,
+            options=torch.nn.LinearCrossEntropyOptions(),
+        ).float()
+    else:
+        rows = chunk_size or max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
+        loss_sum = _ChunkedLinearCrossEntropy.apply(
+            hidden_TD, weight_VD, labels_T, bias, ignore_index, rows, torch.is_grad_enabled()
+        )
+    if reduction == "sum":
+        return loss_sum
+    count = (labels_T != ignore_index).sum().clamp(min=1)
+    return loss_sum / count
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy; gradients computed chunk by chunk in forward and kept."""
+
+    @staticmethod
+    def forward(ctx, hidden_TD, weight_VD, labels_T, bias_V, ignore_index, rows, grad_enabled):
+        # Inside forward autograd is off; whether grads are wanted comes from the caller.
+        need_h = grad_enabled and hidden_TD.requires_grad
+        need_w = grad_enabled and weight_VD.requires_grad
+        need_b = grad_enabled and bias_V is not None and bias_V.requires_grad
+        T = hidden_TD.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden_TD.device)
+        grad_h_TD = torch.empty_like(hidden_TD) if need_h else None
+        # Weight/bias grads accumulate over chunks in float32, cast once at the end.
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
+        grad_b_V = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
+        for start in range(0, T, rows):
+            h_CD = hidden_TD[start : start + rows]
+            y_C = labels_T[start : start + rows]
+            logits_CV = F.linear(h_CD, weight_VD, bias_V).float()
+            valid_C = y_C != ignore_index
+            target_C = torch.where(valid_C, y_C, 0)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            picked_C = logits_CV.gather(1, target_C[:, None]).squeeze(1)
+            loss += ((lse_C - picked_C) * valid_C).sum()
+            if not (need_h or need_w or need_b):
+                continue
+            # d loss / d logits = softmax - onehot(target), zero on ignored rows.
+            grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+            grad_CV.scatter_add_(1, target_C[:, None], -torch.ones_like(lse_C[:, None]))
+            grad_CV.mul_(valid_C[:, None])
+            if need_b:
+                grad_b_V += grad_CV.sum(0)
+            grad_CV = grad_CV.to(hidden_TD.dtype)
+            if need_h:
+                grad_h_TD[start : start + rows] = grad_CV @ weight_VD
+            if need_w:
+                grad_w_VD += (grad_CV.t() @ h_CD).float()
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0) for g in (grad_h_TD, grad_w_VD, grad_b_V))
+        )
+        ctx.has = (need_h, need_w, need_b)
+        ctx.dtypes = (weight_VD.dtype, None if bias_V is None else bias_V.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h_TD, grad_w_VD, grad_b_V = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.has
+        w_dtype, b_dtype = ctx.dtypes
+        # grad_loss is a device scalar: scaling by it keeps backward sync-free.
+        gh = (grad_h_TD * grad_loss.to(grad_h_TD.dtype)) if need_h else None
+        gw = (grad_w_VD * grad_loss).to(w_dtype) if need_w else None
+        gb = (grad_b_V * grad_loss).to(b_dtype) if need_b else None
+        return gh, gw, None, gb, None, None, None
