@@ -1,0 +1,230 @@
+"""Tokenization with the checkpoint's chat template, and which tokens are targets.
+
+An `Example` is `input_ids` plus `trainable[t]`: is token t a target (predicted from t-1)?
+The collator turns that into shifted labels. With `train_on="assistant"` only each assistant
+turn's tokens are targets: its content and its end-of-turn token, not the role header before
+it nor the newline a template may put after the end-of-turn token.
+
+Most templates (Llama 3, Qwen, SmolLM2) have no `{% generation %}` markers, so the assistant
+spans are found by rendering the conversation prefix by prefix: for assistant message i,
+`render(messages[:i], add_generation_prompt=True)` ends where the reply starts and
+`render(messages[:i+1])` ends after it. Both are tokenized and compared with the full
+conversation's ids by longest common prefix, so a template that tokenizes a boundary
+differently degrades by a token instead of shifting every later label.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.data.formats import RowError, detect_format, to_messages
+
+PARALLEL_MIN_ROWS = 20_000  # below this, process start-up costs more than it saves
+
+
+@dataclass
+class Example:
+    """One tokenized example: ids and, per token, whether it is a training target."""
+
+    input_ids: list[int]
+    trainable: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class DataReport:
+    """What tokenization did with every row; `summary()` is the one line a run prints."""
+
+    rows: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    first_skip: str = ""  # the first skipped row's reason, so the user can find it
+
+    def summary(self) -> str:
+        skipped = sum(self.skipped.values())
+        why = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
+        share = 100.0 * self.target_tokens / max(self.tokens, 1)
+        line = f"data: {self.rows} rows -> {self.kept} examples, {self.tokens} tokens "
+        line += f"({share:.0f}% targets); skipped {skipped}"
+        line += f" ({why}; first: {self.first_skip})" if skipped else ""
+        return line + f"; truncated {self.truncated}; dropped {self.dropped} over the length limit"
+
+
+def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def encode_chat(tokenizer: Any, messages: list[dict], train_on: str) -> Example:
+    """Token ids of the templated conversation and its target mask (see module docstring)."""
+    texts = [_render(tokenizer, messages, False)]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on == "assistant":
+        for i in turns:
+            texts.append(_render(tokenizer, messages[:i], True) if i else "")
+            texts.append(_render(tokenizer, messages[: i + 1], False))
+    # One batched call: the fast tokenizer encodes all prefixes in Rust.
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    ids = list(encoded[0])
+    if train_on == "all":
+        return Example(ids, [True] * len(ids))
+    trainable = [False] * len(ids)
+    for k in range(len(turns)):
+        start = _longest_common_prefix(ids, encoded[1 + 2 * k])
+        end = _longest_common_prefix(ids, encoded[2 + 2 * k])
+        # Drop whitespace the template adds after the end-of-turn token (ChatML's "\n").
+        while end > start and not tokenizer.decode([ids[end - 1]]).strip():
+            end -= 1
+        trainable[start:end] = [True] * (end - start)
+    return Example(ids, trainable)
+
+
+def encode_text(tokenizer: Any, text: str) -> Example:
+    """Raw text: the tokenizer's own bos (if any) and an eos appended, every token a target."""
+    ids = list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    return Example(ids, [True] * len(ids))
+
+
+def _encode_row(
+    row: Mapping[str, Any], tokenizer: Any, fmt: str, train_on: str, max_tokens: int, overlong: str
+) -> tuple[Example | None, str, bool]:
+    """-> (example or None, status "ok" | skip reason | "dropped", truncated?)."""
+    if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
+        row = json.loads(row["_json"])
+    try:
+        content = to_messages(row, fmt)
+    except RowError as e:
+        return None, f"{e.reason}: {e.detail}", False
+    if isinstance(content, str):
+        ex = encode_text(tokenizer, content)
+    else:
+        ex = encode_chat(tokenizer, content, train_on)
+    truncated = False
+    if len(ex) > max_tokens:
+        if overlong == "drop":
+            return None, "dropped", False
+        ex = Example(ex.input_ids[:max_tokens], ex.trainable[:max_tokens])
+        truncated = True
+    # Token 0 has nothing before it to predict it from, so it can never be a target.
+    if not any(ex.trainable[1:]):
+        return None, "all_masked: no target tokens (no assistant reply kept)", truncated
+    return ex, "ok", truncated
+
+
+def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong):
+    ex, status, truncated = _encode_row(row, tokenizer, fmt, train_on, max_tokens, overlong)
+    return {
+        "ids": ex.input_ids if ex else [],
+        "mask": ex.trainable if ex else [],
+        "status": status,
+        "truncated": truncated,
+    }
+
+
+def _columns(rows: Any) -> list[str]:
+    if hasattr(rows, "column_names"):
+        cols = list(rows.column_names)
+        if cols == ["_json"]:
+            cols = list(json.loads(rows[0]["_json"])) if len(rows) else []
+        return cols
+    return list(rows[0]) if len(rows) else []
+
+
+def tokenize_rows(
+    rows: Any,
+    tokenizer: Any,
+    *,
+    format: str = "auto",
+    train_on: str = "assistant",
+    max_tokens: int,
+    overlong: str = "truncate",
+    strict: bool = False,
+    num_proc: int | None = None,
+) -> tuple[list[Example], DataReport]:
+    """Tokenize a `datasets.Dataset` (or list of dicts) into Examples, counting every skip.
+
+    `strict=True` makes the first malformed row an error. `num_proc=None` uses several
+    processes only for datasets over 20k rows.
+    """
+    if train_on not in ("assistant", "all"):
+        raise ValueError(f"train_on = {train_on!r}; use 'assistant' or 'all'.")
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong = {overlong!r}; use 'truncate' or 'drop'.")
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens = {max_tokens}; an example needs at least 2 tokens.")
+    if len(rows) == 0:
+        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
+    fmt = detect_format(_columns(rows), format)
+    if fmt != "text" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"data format {fmt!r} needs a chat template but the tokenizer has none; use a "
+            "tokenizer with `chat_template` in tokenizer_config.json or data in 'text' format."
+        )
+    args = (tokenizer, fmt, train_on, max_tokens, overlong)
+    if num_proc is None:
+        num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
+    if num_proc > 1 and hasattr(rows, "map"):
+        mapped = rows.map(
+            _map_fn,
+            fn_kwargs=dict(zip(("tokenizer", "fmt", "train_on", "max_tokens", "overlong"), args)),
+            remove_columns=rows.column_names,
+            num_proc=num_proc,
+            desc="tokenizing",
+        )
+        results = (
+            (
+                Example(r["ids"], r["mask"]) if r["status"] == "ok" else None,
+                r["status"],
+                r["truncated"],
+            )
+            for r in mapped
+        )
+    else:
+        results = (_encode_row(row, *args) for row in rows)
+
+    report = DataReport(rows=len(rows))
+    examples = []
+    for index, (ex, status, truncated) in enumerate(results):
+        report.truncated += truncated
+        if status == "dropped":
+            report.dropped += 1
+            continue
+        if ex is None:
+            reason = status.split(":", 1)[0]
+            if strict:
+                raise ValueError(
+                    f"data row {index}: {status} (strict mode; fix or remove the row)."
+                )
+            report.skipped[reason] += 1
+            report.first_skip = report.first_skip or f"row {index}: {status}"
+            continue
+        examples.append(ex)
+        report.kept += 1
+        report.tokens += len(ex)
+        report.target_tokens += sum(ex.trainable[1:])
+    if not examples:
+        raise ValueError(f"no usable examples: {report.summary()}")
+    return examples, report

@@ -1,0 +1,161 @@
+"""Loading dataset rows through `datasets`: local jsonl/json/parquet/csv files or a hub id.
+
+Text files are checked by us first, line by line, because `datasets`' own errors for a bad
+JSON line or a non-UTF-8 byte name neither the file nor the line. JSON rows whose column
+types do not fit one Arrow schema (e.g. `messages` a list in one row and a string in another)
+are kept as one `_json` string column, so the malformed rows can be counted and skipped at
+tokenization instead of failing the whole load.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _check_utf8(path: Path) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                line += chunk[: e.start].count(b"\n")
+                raise ValueError(
+                    f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                    "re-encode the file as UTF-8."
+                ) from None
+            line += chunk.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}:{line}: not UTF-8 text (truncated character at end).") from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text ({e.reason}); re-encode the file as UTF-8."
+                ) from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})."
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{lineno}: a JSON line must be an object, got {type(row).__name__}."
+                )
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    _check_utf8(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})."
+        ) from None
+    if isinstance(data, dict):  # {"data": [...]} style: the one list-valued key
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: expected a JSON list of rows (or an object with one list).")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}.")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {i} must be an object, got {type(row).__name__}.")
+    return data
+
+
+def _rows_to_dataset(rows: list[dict]) -> datasets.Dataset:
+    try:
+        return datasets.Dataset.from_list(rows)
+    except Exception:  # Arrow could not unify the rows' types; keep each row as JSON text
+        return datasets.Dataset.from_dict({"_json": [json.dumps(r) for r in rows]})
+
+
+def load_rows(source: str, *, split: str | None = None) -> datasets.Dataset:
+    """Rows from a local .jsonl/.json/.parquet/.csv file or a hub dataset id (`split`)."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.exists() or suffix in LOCAL_SUFFIXES:
+        if not path.is_file():
+            raise ValueError(f"data file {source!r} does not exist (or is not a file).")
+        if suffix not in LOCAL_SUFFIXES:
+            raise ValueError(
+                f"data file {source!r}: unknown type {suffix!r}; use .jsonl .json .parquet .csv"
+            )
+        if suffix == ".jsonl":
+            ds = _rows_to_dataset(_read_jsonl(path))
+        elif suffix == ".json":
+            ds = _rows_to_dataset(_read_json(path))
+        elif suffix == ".csv":
+            _check_utf8(path)
+            ds = datasets.Dataset.from_csv(str(path))
+        else:
+            ds = datasets.Dataset.from_parquet(str(path))
+    else:
+        try:
+            ds = datasets.load_dataset(source, split=split or "train")
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"data source {source!r} is not a local file nor a loadable hub dataset: {first}"
+            ) from None
+    if len(ds) == 0:
+        raise ValueError(f"data source {source!r} has no rows; the dataset is empty.")
+    return ds
+
+
+def load_split(
+    source: str,
+    *,
+    eval_source: str | None = None,
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+    split: str | None = None,
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train rows, held-out rows or None): held-out from `eval_source` or a seeded fraction."""
+    rows = load_rows(source, split=split)
+    if eval_source is not None:
+        if eval_fraction:
+            raise ValueError("set either data.eval_source or data.eval_fraction, not both.")
+        return rows, load_rows(eval_source, split=split)
+    if not eval_fraction:
+        return rows, None
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction = {eval_fraction}; it must be in (0, 1).")
+    num_eval = round(len(rows) * eval_fraction)
+    if num_eval < 1 or num_eval >= len(rows):
+        raise ValueError(
+            f"data.eval_fraction = {eval_fraction} of {len(rows)} rows leaves an empty split; "
+            "use more rows or another fraction."
+        )
+    parts = rows.train_test_split(test_size=num_eval, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def rows_from_list(rows: list[dict[str, Any]]) -> datasets.Dataset:
+    """An in-memory list of row dicts as a Dataset (same rules as a .jsonl file)."""
+    if not rows:
+        raise ValueError("the dataset is empty (0 rows).")
+    return _rows_to_dataset(rows)
