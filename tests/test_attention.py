@@ -1,0 +1,126 @@
+"""attend() against plain per-sequence references; SeqInfo construction and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.ops import attention
+from slipstream.ops.attention import attend, dense_causal_mask
+from slipstream.ops.packing import SeqInfo
+
+LENGTHS = [5, 1, 9, 3]
+
+
+def _qkv(T, H=4, G=2, Dh=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(T, h, Dh, generator=g, requires_grad=True)  # noqa: E731
+    return mk(H), mk(G), mk(G)
+
+
+def _reference(q, k, v, lengths, window=None, sinks=None):
+    """Each sequence alone, attention written out with an explicit causal(/window) mask."""
+    outs, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lengths:
+        qs, ks, vs = (x[start : start + n] for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+        scores = torch.einsum("thd,shd->hts", qs, ks) / q.shape[-1] ** 0.5
+        i = torch.arange(n)
+        allowed = i[:, None] >= i[None, :]
+        if window is not None:
+            allowed &= i[:, None] - i[None, :] < window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks[:, None, None].expand(-1, n, 1)
+            probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
+        outs.append(torch.einsum("hts,shd->thd", probs, vs))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_attend_matches_per_sequence_reference(window, per_sequence, monkeypatch):
+    if per_sequence:  # force the long-batch path that runs one SDPA call per sequence
+        monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", 0)
+    q, k, v = _qkv(sum(LENGTHS))
+    out = attend(q, k, v, SeqInfo.from_lengths(LENGTHS), window=window)
+    ref = _reference(q, k, v, LENGTHS, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attend_with_sinks_matches_reference(window):
+    q, k, v = _qkv(sum(LENGTHS), H=4, G=1)
+    sinks = torch.randn(4, requires_grad=True)
+    out = attend(q, k, v, SeqInfo.from_lengths(LENGTHS), window=window, sinks=sinks)
+    ref = _reference(q, k, v, LENGTHS, window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.autograd.grad(out.sum(), sinks)[0]
+    r = torch.autograd.grad(ref.sum(), sinks)[0]
+    torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_rescale_identity():
+    """out_with_sink == out * sigmoid(lse - sink): the identity the CUDA path relies on."""
+    scores = torch.randn(3, 6)
+    v = torch.randn(6, 2)
+    sink = torch.randn(3)
+    with_sink = torch.softmax(torch.cat([scores, sink[:, None]], -1), -1)[:, :-1] @ v
+    plain = torch.softmax(scores, -1) @ v
+    lse = torch.logsumexp(scores, -1)
+    torch.testing.assert_close(with_sink, plain * torch.sigmoid(lse - sink)[:, None])
+
+
+def test_dense_mask_built_once_per_seqinfo():
+    seq = SeqInfo.from_lengths([3, 2])
+    m1 = dense_causal_mask(seq)
+    assert dense_causal_mask(seq) is m1
+    assert dense_causal_mask(seq, 2) is not m1
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+        dtype=torch.bool,
+    )
+    assert torch.equal(m1, expected)
+
+
+def test_seqinfo_from_lengths():
+    seq = SeqInfo.from_lengths([3, 1, 2])
+    assert seq.cu_seqlens.dtype == torch.int32
+    assert seq.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert seq.position_ids.tolist() == [0, 1, 2, 0, 0, 1]
+    assert seq.seq_ids.tolist() == [0, 0, 0, 1, 2, 2]
+    assert seq.max_seqlen == 3 and int(seq.max_seqlen_t) == 3
+    assert seq.total_tokens == 6 and seq.to("cpu") is seq
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [([], "empty"), ([3, 0, 2], r"lengths\[1\] = 0"), ([2, -1], r"lengths\[1\] = -1"),
+     ([2, 1.5], "not an int"), (torch.tensor([2, 3]), "host list")],
+)  # fmt: skip
+def test_seqinfo_bad_lengths(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        SeqInfo.from_lengths(lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_cuda_attend_matches_cpu(window, use_sinks):
+    q, k, v = _qkv(sum(LENGTHS), H=4, G=2, Dh=64)
+    sinks = torch.randn(4) if use_sinks else None
+    ref = attend(q, k, v, SeqInfo.from_lengths(LENGTHS), window=window, sinks=sinks)
+    cuda = [x.detach().cuda().bfloat16() for x in (q, k, v)]
+    seq = SeqInfo.from_lengths(LENGTHS, device="cuda")
+    s = sinks.cuda() if use_sinks else None
+    out = attend(*cuda, seq, window=window, sinks=s)
+    torch.testing.assert_close(out.float().cpu(), ref.detach(), atol=3e-2, rtol=3e-2)
