@@ -1,0 +1,299 @@
+"""LoRA: low-rank adapters on frozen linear layers, in PEFT's layout.
+
+`apply_lora` swaps each targeted `nn.Linear` for a `LoRALinear` that keeps the original as
+`.base_layer`, so parameter names line up with PEFT's: `<path>.base_layer.weight` in the
+model and `base_model.model.<path>.lora_A.weight` / `.lora_B.weight` in
+`adapter_model.safetensors`. Saved adapters load in `peft.PeftModel`; PEFT adapters load
+here. Shapes: A is (rank, in_features), B is (out_features, rank);
+y = base(x) + scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for
+rsLoRA). The base can be any module with `in_features`, `out_features` and a `weight`
+(e.g. a bitsandbytes `Linear4bit` for QLoRA); it is never modified until `merge_lora`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear layer plus a trainable low-rank update."""
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        weight = base_layer.weight
+        # A quantized base stores packed integers: the adapter then uses its compute dtype.
+        if dtype is None:
+            float_base = weight.is_floating_point()
+            dtype = weight.dtype if float_base else getattr(base_layer, "compute_dtype", None)
+        kw = {"device": weight.device, "dtype": dtype or torch.float32}
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        # As PEFT: A like nn.Linear's default init, B zero so the start equals the base.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight, for code that reads `proj.weight` (dtype, device, shape)."""
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+        return out + (self.lora_B(self.lora_A(x)) * self.scaling).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """base weight + scale * B @ A, computed in float32, in the base weight's dtype."""
+        w = self.base_layer.weight
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (w.float() + self.scaling * delta).to(w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def _linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(full name, parent, attribute, module) for each nn.Linear not inside a LoRALinear."""
+    found = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for attr, child in module.named_children():
+            name = f"{prefix}{attr}"
+            if isinstance(child, nn.Linear):
+                found.append((name, module, attr, child))
+            elif not isinstance(child, LoRALinear):
+                visit(name + ".", child)
+
+    visit("", model)
+    return found
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Module path -> LoRALinear, in model order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def apply_lora(
+    model: nn.Module,
+    rank: int = 16,
+    alpha: float = 32,
+    dropout: float = 0.0,
+    targets: str | Iterable[str] = DEFAULT_TARGETS,
+    use_rslora: bool = False,
+) -> nn.Module:
+    """Wrap the targeted linear layers in LoRALinear and freeze everything else.
+
+    targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head).
+    """
+    if getattr(model, "lora_config", None) is not None:
+        raise ValueError("LoRA is already applied to this model; apply_lora once per model")
+    if not (isinstance(rank, int) and rank > 0):
+        raise ValueError(f"lora rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora dropout must be in [0, 1), got {dropout!r}")
+    linears = _linear_children(model)
+    present = sorted({name.rsplit(".", 1)[-1] for name, *_ in linears})
+    if targets == "all-linear":
+        wanted = set(present) - {"lm_head"}
+    else:
+        wanted = {targets} if isinstance(targets, str) else set(targets)
+        missing = sorted(wanted - set(present))
+        if missing or not wanted:
+            raise ValueError(
+                f"lora targets {missing or sorted(wanted)} match no nn.Linear in the model; "
+                f"linear module names present: {present}"
+            )
+    for _, parent, attr, linear in linears:
+        if attr in wanted:
+            setattr(parent, attr, LoRALinear(linear, rank, alpha, dropout, use_rslora))
+    model.requires_grad_(False)
+    for module in lora_modules(model).values():
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
+    model.lora_config = {
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(wanted),
+        "use_rslora": use_rslora,
+    }
+    return model
+
+
+def _write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename over `path`: a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_adapter(
+    model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
+) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors in PEFT's layout; returns dir."""
+    cfg = getattr(model, "lora_config", None)
+    if cfg is None:
+        raise ValueError("save_adapter: the model has no LoRA; call apply_lora(model) first")
+    out = Path(dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create adapter dir {out}: {e.strerror}") from None
+    tensors = {}
+    for name, module in lora_modules(model).items():
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(module, part).weight
+            tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"] = weight.detach().cpu().contiguous()
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(model, "name_or_path", None) or None
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg["r"],
+        "lora_alpha": cfg["lora_alpha"],
+        "lora_dropout": cfg["lora_dropout"],
+        "target_modules": cfg["target_modules"],
+        "use_rslora": cfg["use_rslora"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+        "revision": None,
+    }
+    try:
+        _write_atomic(
+            out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})
+        )
+        text = json.dumps(config, indent=2) + "\n"
+        _write_atomic(out / ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
+    except OSError as e:
+        raise ValueError(f"cannot write adapter to {out}: {e.strerror}") from None
+    return out
+
+
+def _read_adapter_config(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path} not found: not a PEFT adapter directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg['peft_type']!r} is not supported; only LORA")
+    unsupported = {
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": None,
+        "modules_to_save": None,
+        "lora_bias": False,
+    }
+    for key, ok in unsupported.items():
+        if cfg.get(key, ok) not in (ok, None, [], {}):
+            raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (need {ok!r})")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ValueError(f"{path}: regex target_modules {targets!r} is not supported; list names")
+    return cfg
+
+
+def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed."""
+    src = Path(dir)
+    cfg = _read_adapter_config(src / ADAPTER_CONFIG)
+    rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
+    use_rslora = bool(cfg.get("use_rslora", False))
+    current = getattr(model, "lora_config", None)
+    if current is None:
+        targets = cfg["target_modules"]
+        targets = targets if isinstance(targets, str) else sorted(targets)
+        apply_lora(model, rank, alpha, cfg.get("lora_dropout") or 0.0, targets, use_rslora)
+    elif (current["r"], current["lora_alpha"], current["use_rslora"]) != (rank, alpha, use_rslora):
+        raise ValueError(
+            f"{src}: adapter has r={rank}, lora_alpha={alpha}, use_rslora={use_rslora} but the "
+            f"model's LoRA has r={current['r']}, lora_alpha={current['lora_alpha']}, "
+            f"use_rslora={current['use_rslora']}"
+        )
+    weights_path = src / ADAPTER_WEIGHTS
+    if not weights_path.is_file():
+        raise ValueError(f"{weights_path} not found: the adapter has no weights")
+    tensors = load_file(weights_path)
+    expected = {}
+    for name, module in lora_modules(model).items():
+        for part in ("lora_A", "lora_B"):
+            expected[f"{_PEFT_PREFIX}{name}.{part}.weight"] = getattr(module, part).weight
+    for key in tensors:
+        if key not in expected:
+            raise ValueError(f"{weights_path}: tensor {key} matches no LoRA module in the model")
+    with torch.no_grad():
+        for key, param in expected.items():
+            if key not in tensors:
+                raise ValueError(f"{weights_path}: missing tensor {key}")
+            if tensors[key].shape != param.shape:
+                raise ValueError(
+                    f"{weights_path}: tensor {key} has shape {tuple(tensors[key].shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.copy_(tensors[key])
+    return model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold scale * B @ A into each base weight and put the plain base modules back."""
+    for name, module in list(lora_modules(model).items()):
+        base = module.base_layer
+        if not base.weight.is_floating_point():
+            raise ValueError(f"cannot merge LoRA into {name}: its base weight is quantized")
+        with torch.no_grad():
+            base.weight.copy_(module.merged_weight())
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, base)
+    model.lora_config = None
+    return model
