@@ -1,0 +1,128 @@
+"""The `slipstream` command: train, demo, export, bench.
+
+    slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
+    slipstream demo                                LoRA on SmolLM2-135M, no network
+    slipstream export ADAPTER_DIR --base MODEL --out DIR
+    slipstream bench [NAME]
+
+Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
+(bad config, missing file, unwritable output dir, bad data). Our own bugs still print a
+traceback; set SLIPSTREAM_DEBUG=1 to get one for user errors too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ValidationError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 on a bad command line
+    try:
+        return args.run(args)
+    except USER_ERRORS as e:
+        if os.environ.get("SLIPSTREAM_DEBUG"):
+            raise
+        print(f"slipstream: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (loading, tokenizing)
+        print("slipstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="Fast LLM fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="fine-tune a model as a YAML config describes")
+    p.add_argument("config", help="run config (YAML); see configs/")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
+    p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("demo", help="LoRA on SmolLM2-135M-Instruct with chitchat (offline)")
+    p.add_argument("--output-dir", default="runs/demo")
+    p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("export", help="merge a LoRA adapter into its base model (HF layout)")
+    p.add_argument("adapter_dir")
+    p.add_argument("--base", required=True, help="base model folder or GGUF file")
+    p.add_argument("--out", required=True, help="folder for the merged model")
+    p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
+    p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.set_defaults(run=cmd_bench)
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from slipstream.config import check_output_dir, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_output_dir(cfg.output_dir)  # before any expensive import or load
+    from slipstream.train import train
+
+    summary = train(cfg)
+    print(f"slipstream: {summary['status']} at step {summary['steps']}; output in {cfg.output_dir}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from slipstream.demo import run_demo
+
+    result = run_demo(args)
+    return result if isinstance(result, int) else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from slipstream.config import check_output_dir
+
+    adapter = Path(args.adapter_dir)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no adapter_config.json in '{adapter}' (is it an adapter dir?)")
+    check_output_dir(args.out)
+    import slipstream
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.peft.lora import load_adapter
+
+    model = load_model(args.base)
+    load_adapter(model, adapter)
+    slipstream.export_merged(model, args.out)
+    print(f"slipstream: merged model written to {args.out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    scripts = sorted(root.glob("bench_*.py")) + sorted(root.glob("gpu_suite.py"))
+    if not scripts:
+        raise FileNotFoundError(f"no benchmark scripts in '{root}' (needs a source checkout)")
+    if args.name is None:
+        print("benchmarks (run: slipstream bench NAME):")
+        for s in scripts:
+            print(f"  {s.stem.removeprefix('bench_')}")
+        return 0
+    by_name = {s.stem.removeprefix("bench_"): s for s in scripts}
+    if args.name not in by_name:
+        raise ValueError(f"unknown benchmark '{args.name}' (one of: {', '.join(by_name)})")
+    return subprocess.call([sys.executable, str(by_name[args.name]), *args.args])
+
+
+def one_line(e: BaseException) -> str:
+    if isinstance(e, ValidationError):
+        from slipstream.config import format_validation_error
+
+        return format_validation_error(e)
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, FileNotFoundError) and e.filename and e.strerror:
+        text = f"{e.strerror}: {e.filename}"
+    return " ".join(text.split())  # one line, whatever the message held

@@ -1,0 +1,371 @@
+"""The training loop: one function, `train(config)`, that reads top to bottom.
+
+Order of work: output dir checked and config written; seeds; data tokenized and packed
+(cheap errors such as a bad file or a missing chat template come before the weights load);
+model loaded, LoRA applied (or every weight trainable), activation checkpointing applied;
+AdamW and the schedule; resume; then the loop.
+
+Loss normalisation: each micro-batch's loss is *summed* over its labelled tokens and divided
+by the labelled-token count of the whole accumulation window (a host int from the collator,
+no sync). So `grad_accum=4` with a quarter of the token budget gives the same update as one
+full batch, and long and short examples weigh per token, not per batch.
+
+Host syncs: none inside the micro-batch loop. The loss and grad norm are read to the host
+once per *logged* step (`.tolist()` of two numbers), outside model code; evaluation reads
+its total once. With `log_every=10` that is one stall every 10 optimizer steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.config import RunConfig, check_output_dir, write_resolved_config
+from slipstream.train.metrics import (
+    MetricsLog,
+    flops_per_token,
+    peak_flops,
+    peak_memory_gb,
+    perplexity,
+    plot_losses,
+    write_json,
+)
+from slipstream.train.optim import build_optimizer, build_schedule
+from slipstream.train.state import (
+    StopSignal,
+    find_resume_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+@dataclass
+class RunData:
+    """Tokenized examples and the packed batches (lists of example indices) over them."""
+
+    train: list[Any]
+    train_batches: list[list[int]]
+    eval: list[Any]
+    eval_batches: list[list[int]]
+    report: Any
+    packing_efficiency: float
+
+
+def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Run the fine-tuning job `cfg` describes; returns the run summary (also written)."""
+    t = cfg.train
+    out = check_output_dir(cfg.output_dir)
+    write_resolved_config(cfg, out)
+    device = resolve_device(t.device)
+    seed_everything(t.seed)
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
+    data = build_data(cfg, tokenizer)
+    model = model if model is not None else build_model(cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    full = cfg.lora.method == "full"
+
+    optimizer = build_optimizer(
+        model.named_parameters(), lr=t.lr, weight_decay=t.weight_decay, device=device
+    )
+    epochs = t.epochs if t.epochs is not None else 1.0
+    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / t.grad_accum)
+    scheduler = build_schedule(
+        optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
+    )
+    start_step = 0
+    checkpoint = find_resume_checkpoint(cfg.resume, out)
+    if checkpoint is not None:
+        start_step = load_checkpoint(
+            checkpoint, model=model, optimizer=optimizer, scheduler=scheduler
+        )["step"]
+        print(f"slipstream: resuming from {checkpoint} (step {start_step})", file=sys.stderr)
+
+    log = MetricsLog(out, total_steps=total_steps, start_step=start_step)
+    eval_before = None
+    if start_step == 0 and data.eval:
+        eval_before = evaluate(model, data.eval, data.eval_batches, device)
+        log.log({"step": 0, "eval_loss": eval_before, "eval_ppl": perplexity(eval_before)})
+
+    # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
+    stream = micro_batch_stream(len(data.train_batches), t.seed, start=start_step * t.grad_accum)
+    flop_rate = peak_flops(device)
+    flops_tok = flops_per_token(sum(p.numel() for p in model.parameters()), full)
+    clip = t.clip if t.clip is not None else math.inf
+    loss_sum = torch.zeros((), device=device)
+    interval_labels = interval_tokens = tokens_total = 0
+    last_time, run_start = time.perf_counter(), time.perf_counter()
+    status, step, last_loss = "completed", start_step, None
+    model.train()
+    with StopSignal() as stop:
+        for step in range(start_step + 1, total_steps + 1):
+            window = [
+                collate_batch(data.train, data.train_batches[next(stream)], device)
+                for _ in range(t.grad_accum)
+            ]
+            loss_sum += accumulate_gradients(model, window)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            interval_labels += sum(b.num_labels for b in window)
+            interval_tokens += sum(b.input_ids.numel() for b in window)
+
+            if step % t.log_every == 0 or step == total_steps or stop.requested:
+                # The one host sync of a logged step: loss and grad norm in one transfer.
+                last_loss, norm = torch.stack(
+                    [loss_sum / max(interval_labels, 1), grad_norm.float()]
+                ).tolist()
+                now = time.perf_counter()
+                tokens_per_s = interval_tokens / max(now - last_time, 1e-9)
+                tokens_total += interval_tokens
+                mfu = tokens_per_s * flops_tok / flop_rate if flop_rate else None
+                log.log(
+                    {
+                        "step": step,
+                        "loss": last_loss,
+                        "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": norm,
+                        "tokens": tokens_total,
+                        "tokens_per_s": tokens_per_s,
+                        "peak_mem_gb": peak_memory_gb(device),
+                        "mfu": mfu,
+                    }
+                )
+                loss_sum.zero_()
+                interval_labels = interval_tokens = 0
+                last_time = now
+            log.bar.update(1)
+
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps and data.eval:
+                loss = evaluate(model, data.eval, data.eval_batches, device)
+                log.log({"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss)})
+            saving = t.save_every and step % t.save_every == 0 and step < total_steps
+            if saving or stop.requested:
+                save_checkpoint(
+                    out, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra={"config": cfg.model_dump(mode="json")}, keep=t.keep_checkpoints,
+                )  # fmt: skip
+            if stop.requested:
+                status = "interrupted"
+                print(
+                    f"\nslipstream: stopped by signal {stop.received} at step {step}; "
+                    f"checkpoint saved; rerun with resume=true to continue",
+                    file=sys.stderr,
+                )
+                break
+
+    eval_after = None
+    if status == "completed":
+        if data.eval:
+            eval_after = evaluate(model, data.eval, data.eval_batches, device)
+            log.log({"step": step, "eval_loss": eval_after, "eval_ppl": perplexity(eval_after)})
+        save_result(model, tokenizer, out, full)
+    log.close()
+    plot = plot_losses(log.path, out / "loss.png")
+    summary = {
+        "status": status,
+        "steps": step,
+        "total_steps": total_steps,
+        "method": cfg.lora.method,
+        "final_train_loss": last_loss,
+        "eval_loss_before": eval_before,
+        "eval_loss_after": eval_after,
+        "eval_ppl_before": perplexity(eval_before) if eval_before is not None else None,
+        "eval_ppl_after": perplexity(eval_after) if eval_after is not None else None,
+        "tokens_trained": tokens_total,
+        "seconds": time.perf_counter() - run_start,
+        "trainable_params": sum(p.numel() for p in params),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "peak_mem_gb": peak_memory_gb(device),
+        "device": str(device),
+        "packing_efficiency": data.packing_efficiency,
+        "train_examples": len(data.train),
+        "eval_examples": len(data.eval),
+        "data_report": report_dict(data.report),
+        "loss_plot": str(plot) if plot else None,
+        "output_dir": str(out),
+    }
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def accumulate_gradients(model: torch.nn.Module, window: list[Any]) -> torch.Tensor:
+    """Backward over one accumulation window; returns the summed loss (a device tensor).
+
+    Each micro-batch's summed loss is divided by the window's labelled-token count, so the
+    gradient equals that of one batch holding the whole window. No host sync here.
+    """
+    num_labels = max(sum(b.num_labels for b in window), 1)  # host ints from the collator
+    total = None
+    for batch in window:
+        loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum")
+        (loss / num_labels).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, examples: list[Any], batches: list[list[int]], device):
+    """Mean loss per labelled token over the eval set (one host sync, at the end)."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), device=device), 0
+    for indices in batches:
+        batch = collate_batch(examples, indices, device)
+        total += model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum").float()
+        count += batch.num_labels
+    model.train(was_training)
+    return (total / max(count, 1)).item()
+
+
+def micro_batch_stream(num_batches: int, seed: int, start: int = 0) -> Iterator[int]:
+    """Batch indices forever, epoch after epoch in seeded orders, skipping the first `start`."""
+    from slipstream.data import epoch_order
+
+    epoch, pos = divmod(start, num_batches)
+    while True:
+        yield from epoch_order(num_batches, seed=seed, epoch=epoch)[pos:]
+        epoch, pos = epoch + 1, 0
+
+
+def collate_batch(examples: list[Any], indices: list[int], device: torch.device) -> Any:
+    from slipstream.data import collate
+
+    return collate([examples[i] for i in indices]).to(device)
+
+
+def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
+    """Load, tokenize, split and pack; report what was skipped, truncated or dropped."""
+    from slipstream.data import load_split, pack_examples, packing_efficiency, tokenize_rows
+
+    d, t = cfg.data, cfg.train
+    max_tokens = min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch)
+    options = dict(
+        format=d.format, train_on=d.train_on, max_tokens=max_tokens, overlong=d.overlong,
+        strict=d.strict, num_proc=d.num_proc,
+    )  # fmt: skip
+    train_rows, eval_rows = load_split(
+        d.train, eval_source=d.eval, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
+    )
+    examples, report = tokenize_rows(train_rows, tokenizer, **options)
+    if not examples:
+        raise ValueError(f"data.train: no usable examples in '{d.train}' ({report.summary()})")
+    eval_examples = tokenize_rows(eval_rows, tokenizer, **options)[0] if eval_rows else []
+    lengths = [len(ex.input_ids) for ex in examples]
+    train_batches = pack_examples(lengths, t.tokens_per_batch)
+    eval_lengths = [len(ex.input_ids) for ex in eval_examples]
+    eval_batches = pack_examples(eval_lengths, t.tokens_per_batch) if eval_examples else []
+    efficiency = packing_efficiency(lengths, train_batches, t.tokens_per_batch)
+    print(
+        f"slipstream: {len(examples)} train / {len(eval_examples)} eval examples, "
+        f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}",
+        file=sys.stderr,
+    )
+    return RunData(examples, train_batches, eval_examples, eval_batches, report, efficiency)
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """Load weights, then LoRA (or full training), then activation checkpointing."""
+    from slipstream.checkpoint.hf import load_model
+
+    if cfg.model.quantization == "nf4":
+        raise ValueError("model.quantization=nf4 is not available in this build; use none")
+    model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=device)
+    if cfg.lora.method == "lora":
+        from slipstream.peft.lora import apply_lora
+
+        lo = cfg.lora
+        apply_lora(
+            model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
+            use_rslora=lo.use_rslora,
+        )  # fmt: skip
+    else:
+        model.requires_grad_(True)
+    mode = cfg.train.activation_checkpointing
+    if mode == "auto":
+        mode = "offload" if device.type == "cuda" else "recompute"
+    if mode != "none":
+        try:
+            from slipstream.memory.offload import apply_checkpointing
+        except ImportError:
+            apply_checkpointing = None  # not built yet: train without it
+        if apply_checkpointing is not None:
+            apply_checkpointing(model, mode)
+    return model
+
+
+def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, full: bool) -> None:
+    """The adapter (PEFT layout) or the full model (HF layout), plus the tokenizer files."""
+    if full:
+        from slipstream.checkpoint.hf import save_model
+
+        save_model(model, out)
+    else:
+        from slipstream.peft.lora import save_adapter
+
+        save_adapter(model, out)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer (from its folder, or the one stored in a GGUF file)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"model.path: GGUF file not found: {p}")
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
+        raise ValueError(f"model.path: no tokenizer files (tokenizer.json ...) in '{p}'")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def report_dict(report: Any) -> Any:
+    if dataclasses.is_dataclass(report):
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(report).items()}
+    return report if isinstance(report, dict) else str(report)
+

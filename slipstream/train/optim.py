@@ -1,0 +1,63 @@
+"""AdamW over the trainable parameters and the learning-rate schedule.
+
+AdamW is fused on CUDA (one kernel for the whole update instead of a few per parameter) and
+uses the foreach implementation elsewhere. Weight decay applies to matrices only: norms and
+biases (1-D parameters) are not decayed. The schedule is linear warmup from 0 to the peak
+learning rate, then linear or cosine decay to 0 (or constant), as a `LambdaLR` so its state
+is a single step counter that a checkpoint restores exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+def build_optimizer(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    *,
+    lr: float,
+    weight_decay: float,
+    device: torch.device,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> torch.optim.AdamW:
+    """AdamW over the parameters that require grad; no decay on 1-D parameters."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("nothing to train: no parameter requires grad (check lora.targets)")
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kwargs)
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.schedule: unknown schedule '{schedule}' (linear, cosine, constant)")
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, *, schedule: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        return lr_factor(
+            step, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,168 @@
+"""Run config: YAML + dotted overrides, and one-line errors that name the key."""
+
+import os
+
+import pytest
+import yaml
+
+from slipstream.config import (
+    check_output_dir,
+    closest_key,
+    load_config,
+    write_resolved_config,
+)
+
+BASE = {
+    "model": {"path": "some/model"},
+    "data": {"train": "train.jsonl", "eval_fraction": 0.1},
+    "lora": {"rank": 8},
+    "train": {"lr": 1e-3, "steps": 10},
+    "output_dir": "out",
+}
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    return path
+
+
+def test_yaml_and_defaults(config_file):
+    cfg = load_config(config_file)
+    assert cfg.lora.rank == 8 and cfg.lora.alpha == 32.0 and cfg.lora.method == "lora"
+    assert cfg.train.lr == 1e-3 and cfg.train.steps == 10 and cfg.train.grad_accum == 1
+    assert cfg.train.activation_checkpointing == "auto"
+    assert cfg.model.quantization == "none" and cfg.resume is False
+
+
+def test_overrides_use_yaml_scalar_rules(config_file):
+    cfg = load_config(
+        config_file,
+        ["train.lr=1e-4", "lora.rank=32", "lora.targets=[q_proj, v_proj]", "train.clip=null",
+         "resume=true", "data.train=other.data.jsonl", "lora.method=full"],
+    )  # fmt: skip
+    assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.lora.rank == 32
+    assert cfg.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.train.clip is None
+    assert cfg.resume is True
+    assert cfg.data.train == "other.data.jsonl"
+    assert cfg.lora.method == "full"
+
+
+def test_override_creates_missing_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "train"}))
+    cfg = load_config(path, ["train.tokens_per_batch=512"])
+    assert cfg.train.tokens_per_batch == 512
+
+
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        ("train.lrr=1", "train.lrr", "train.lr"),
+        ("lora.rnak=4", "lora.rnak", "lora.rank"),
+        ("train.warmup=5", "train.warmup", "train.warmup_steps"),
+        ("outptu_dir=x", "outptu_dir", "output_dir"),
+        ("tokens_per_batch=64", "tokens_per_batch", "train.tokens_per_batch"),
+    ],
+)
+def test_unknown_key_names_it_and_suggests(config_file, override, key, hint):
+    with pytest.raises(ValueError) as e:
+        load_config(config_file, [override])
+    msg = str(e.value)
+    assert f"unknown key '{key}'" in msg and f"did you mean '{hint}'" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    raw = {**BASE, "lora": {"rank": 8, "alpah": 16}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=r"unknown key 'lora.alpah' \(did you mean 'lora.alpha'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=-1e-4", "train.lr"),
+        ("lora.rank=0", "lora.rank"),
+        ("train.tokens_per_batch=0", "train.tokens_per_batch"),
+        ("train.tokens_per_batch=-5", "train.tokens_per_batch"),
+        ("train.grad_accum=0", "train.grad_accum"),
+        ("data.eval_fraction=1.5", "data.eval_fraction"),
+        ("train.schedule=step", "train.schedule"),
+        ("lora.rank=abc", "lora.rank"),
+        ("train.activation_checkpointing=sometimes", "train.activation_checkpointing"),
+    ],
+)
+def test_bad_values_name_the_key(config_file, override, key):
+    with pytest.raises(ValueError) as e:
+        load_config(config_file, [override])
+    msg = str(e.value)
+    assert msg.startswith(f"config: {key}:"), msg
+    assert "\n" not in msg
+
+
+def test_missing_required_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "output_dir"}))
+    with pytest.raises(ValueError, match="missing required key 'output_dir'"):
+        load_config(path)
+
+
+def test_eval_file_and_fraction_exclusive(config_file):
+    with pytest.raises(ValueError, match="data.eval or data.eval_fraction"):
+        load_config(config_file, ["data.eval=held.jsonl"])
+
+
+def test_malformed_override_and_files(config_file, tmp_path):
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(config_file, ["train.lr"])
+    with pytest.raises(ValueError, match="'train.lr' is a value"):
+        load_config(config_file, ["train.lr.x=1"])
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(config_file, tmp_path):
+    cfg = load_config(config_file, ["train.lr=3e-4"])
+    written = write_resolved_config(cfg, tmp_path)
+    again = load_config(written)
+    assert again == cfg
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_output_dir_as_user(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        check_output_dir(locked / "run")
+
+
+def test_output_dir_under_a_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"output_dir '.*' is not writable"):
+        check_output_dir(blocker / "run")
+
+
+def test_closest_key():
+    assert closest_key("train.seeed") == "train.seed"
+    assert closest_key("zzzzzz") is None
+
+
+def test_example_configs_validate():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.output_dir

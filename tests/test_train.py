@@ -1,0 +1,187 @@
+"""The trainer end to end on a tiny random Llama with a real chat tokenizer (CPU, float32).
+
+Checks: the loss drops and outputs are written; grad accumulation over quarter batches gives
+the same update as one batch; 3 steps + resume + 3 steps equals 6 straight steps; SIGTERM
+saves a checkpoint and stops cleanly; no host sync inside the micro-batch loop.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+import yaml
+
+from slipstream.config import config_from_dict
+from slipstream.train import train
+from slipstream.train.loop import accumulate_gradients, build_data, build_model
+from slipstream.train.state import list_checkpoints
+from tests.helpers.models import make_hf_model
+from tests.helpers.tokenizers import save_test_tokenizer
+
+COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
+THINGS = ["sky", "grass", "sun", "snow", "coal", "car", "door", "cup", "hat", "ball"]
+
+
+def chat_rows(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        thing, color = THINGS[i % len(THINGS)], COLORS[(i * 3) % len(COLORS)]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What color is the {thing}?"},
+                    {"role": "assistant", "content": f"The {thing} is {color}."},
+                ]
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny HF Llama folder with tokenizer files, and a jsonl chat dataset."""
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = root / "model"
+    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
+    make_hf_model(
+        "llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4
+    ).save_pretrained(
+        model_dir
+    )
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
+    return model_dir, data
+
+
+def run_config(tiny_run, out, **train):
+    model_dir, data = tiny_run
+    return {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(data), "eval_fraction": 0.125},
+        "lora": {"method": "full"},
+        "train": {
+            "lr": 3e-3, "steps": 6, "tokens_per_batch": 128, "warmup_steps": 1,
+            "log_every": 1, "device": "cpu", "activation_checkpointing": "none", **train,
+        },
+        "output_dir": str(out),
+    }  # fmt: skip
+
+
+def losses(out) -> dict[int, float]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+def test_full_finetune_loss_drops_and_writes_outputs(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    summary = train(config_from_dict(run_config(tiny_run, out, steps=12)))
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.5
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1]
+    for name in ["config.yaml", "metrics.jsonl", "summary.json", "loss.png", "config.json",
+                 "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:  # fmt: skip
+        assert (out / name).is_file(), name
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["train"]["steps"] == 12 and written["lora"]["method"] == "full"
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["eval_loss_after"] == summary["eval_loss_after"]
+    assert 0.5 < on_disk["packing_efficiency"] <= 1.0
+
+
+def test_grad_accum_matches_one_big_batch(tiny_run, tmp_path):
+    """4 micro-batches of one example each == 1 batch of all 4: same grads, same update."""
+    from slipstream.data import collate
+
+    cfg = config_from_dict(run_config(tiny_run, tmp_path))
+    data = build_data(cfg, _tokenizer(tiny_run))
+    examples = data.train[:4]
+    assert len({len(e.input_ids) for e in examples}) > 1  # unequal lengths: per-token weighting
+    grads, params = [], []
+    for window in ([collate(examples)], [collate([e]) for e in examples]):
+        model = build_model(cfg, torch.device("cpu"))
+        # SGD: the update is the gradient itself. (Adam's first step is ~lr*sign(g), which
+        # turns float32 rounding in near-zero gradients into lr-sized differences.)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        accumulate_gradients(model, window)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        opt.step()
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=0)
+    # Averaging each micro-batch on its own (the usual mistake) weighs short examples more.
+    model = build_model(cfg, torch.device("cpu"))
+    for e in examples:
+        (model.loss(*_tensors(collate([e])), reduction="mean") / len(examples)).backward()
+    per_batch_mean = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert (per_batch_mean - grads[0]).abs().max() > 1e-4
+
+
+def _tensors(batch):
+    return batch.input_ids, batch.labels, batch.seq
+
+
+def test_resume_gives_the_same_losses(tiny_run, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(config_from_dict(run_config(tiny_run, straight, steps=6, grad_accum=2)))
+    first = config_from_dict(run_config(tiny_run, split, steps=6, grad_accum=2, save_every=3))
+    # Stop after step 3 as a signal would, then resume from the checkpoint.
+    _train_until_signal(first, at_step=3)
+    assert [p.name for p in list_checkpoints(split)] == ["step-000003"]
+    resumed = run_config(tiny_run, split, steps=6, grad_accum=2, save_every=3)
+    summary = train(config_from_dict({**resumed, "resume": True}))
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    a, b = losses(straight), losses(split)
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert abs(a[step] - b[step]) < 1e-6, (step, a[step], b[step])
+
+
+def test_sigterm_saves_checkpoint_and_stops(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    cfg = config_from_dict(run_config(tiny_run, out, steps=6))
+    summary = _train_until_signal(cfg, at_step=2)
+    assert summary["status"] == "interrupted" and summary["steps"] == 2
+    assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
+    state = torch.load(list_checkpoints(out)[0] / "state.pt", weights_only=False)
+    assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
+    assert not (out / "model.safetensors").exists()  # no final model from a stopped run
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+def _train_until_signal(cfg, at_step):
+    """Run `train` and send SIGTERM to ourselves during optimizer step `at_step`."""
+    from slipstream.checkpoint import hf
+
+    calls = {"n": 0}
+    per_step = cfg.train.grad_accum
+    real_load = hf.load_model
+
+    def load_and_hook(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        real_loss = model.loss
+
+        def loss(*a, **k):
+            if model.training:
+                calls["n"] += 1
+                if calls["n"] == at_step * per_step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return real_loss(*a, **k)
+
+        model.loss = loss
+        return model
+
+    hf.load_model = load_and_hook
+    try:
+        return train(cfg)
+    finally:
+        hf.load_model = real_load
+
+
+def _tokenizer(tiny_run):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_run[0])
