@@ -16,9 +16,12 @@ While the function mode handles a call it counts, the dispatch mode ignores what
 dispatches, so one `.item()` counts once.
 
 Copies to the CPU: `.cpu()` and `.numpy()` always count (their only purpose is host data;
-on a GPU they sync). `.to(...)`/`copy_` count when the source is on a device; on a CPU run a
-`.to(x.device)` looks like a CPU->CPU copy and does not count, unless `cpu_copies=True`,
-which also counts `.to("cpu")`-style copies of CPU tensors.
+on a GPU they sync). `.to(...)`/`copy_` count when the source is on a device and the copy
+blocks (`non_blocking=True` into pinned memory, as the offload path does, is async). On a
+CPU run `.to(x.device)` looks like a CPU->CPU copy and does not count, unless
+`cpu_copies=True`, which also counts `.to("cpu")`-style copies of CPU tensors.
+`x[mask] = 0.0` does not count: index_put_ turns one bool index with a Python-number value
+into `masked_fill_`, which stays on the device.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ def _index_has_mask(index: object) -> bool:
     if isinstance(index, tuple | list):
         return any(_is_mask(i) for i in index)
     return _is_mask(index)
+
+
+def _non_blocking(args: tuple, kwargs: dict) -> bool:
+    """`non_blocking` of a `.to(...)`/`copy_` call: the first positional bool, or the kwarg."""
+    positional = next((a for a in args[1:] if isinstance(a, bool)), False)
+    return bool(kwargs.get("non_blocking", positional))
 
 
 def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
@@ -156,6 +165,8 @@ class _FunctionCounter(TorchFunctionMode):
             dst = _target_device(args, kwargs)
             if dst is None or dst.type != "cpu":
                 return None
+            if args[0].device.type != "cpu" and _non_blocking(args, kwargs):
+                return ""  # async copy into pinned memory: the host does not wait
             if args[0].device.type != "cpu" or self.cpu_copies:
                 return "copy to cpu"
             return ""
@@ -200,11 +211,15 @@ class _DispatchCounter(TorchDispatchMode):
             return "repeat_interleave"
         if packet is aten._to_copy:
             src, dst = args[0], kwargs.get("device")
-            if dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu":
+            to_host = dst is not None and torch.device(dst).type == "cpu"
+            if to_host and src.device.type != "cpu" and not kwargs.get("non_blocking"):
                 return "copy to cpu"
         if packet is aten.copy_:
             dst, src = args[0], args[1]
             if dst.device.type == "cpu" and src.device.type != "cpu":
+                # The offload path's copy into a pinned buffer on a side stream is async.
+                if _non_blocking(args[1:], kwargs) and dst.is_pinned():
+                    return None
                 return "copy to cpu"
         return None
 

@@ -173,3 +173,34 @@ def test_patched_synchronize_restored():
     with count_syncs():
         assert torch.cuda.synchronize is not before
     assert torch.cuda.synchronize is before
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_copies_and_masks():
+    xd = torch.randn(64, 8, device="cuda")
+    md = xd > 0
+    with count_syncs() as c:
+        xd.cpu()
+        xd.to("cpu")
+        torch.empty(64, 8).copy_(xd)
+    assert c.by_op == {"cpu": 1, "copy to cpu": 2}, str(c)
+    pinned = torch.empty(64, 8, pin_memory=True)
+    with count_syncs() as c:
+        pinned.copy_(xd, non_blocking=True)  # the offload path: async
+        xd.to("cpu", non_blocking=True)
+        xd.clone()[md] = 0.0  # masked_fill_ on the device
+        xd.to("cuda")
+    assert c.total == 0, str(c)
+    with count_syncs() as c:
+        xd[md]
+        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
+    assert c.by_op == {
+        "bool-mask index": 1,
+        "cuda.synchronize": 1,
+        "stream.synchronize": 1,
+    }, str(c)

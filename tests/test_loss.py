@@ -110,3 +110,22 @@ def test_bad_arguments():
         linear_cross_entropy(h, w, y[:-1])
     with pytest.raises(ValueError, match="backend"):
         linear_cross_entropy(h, w, y, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_bfloat16_sync_free_and_close(backend):
+    h, w, _, y = _inputs(T=512, V=3001, D=64)
+    ref = _reference(h, w, None, y, "mean")
+    ref_gh, ref_gw = torch.autograd.grad(ref, (h, w))
+    hb = h.detach().cuda().bfloat16().requires_grad_()
+    wb = w.detach().cuda().bfloat16().requires_grad_()
+    with count_syncs() as c:
+        out = linear_cross_entropy(hb, wb, y.cuda(), backend=backend, chunk_size=128)
+        out.backward()
+    assert c.total == 0, str(c)
+    assert abs(out.item() - ref.item()) < 0.02 * ref.item()
+    for got, want in ((hb.grad, ref_gh), (wb.grad, ref_gw)):
+        rel = (got.float().cpu() - want).norm() / want.norm()
+        assert rel < 0.02, rel
