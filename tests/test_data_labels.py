@@ -166,3 +166,44 @@ def test_parallel_map_matches_serial(chatml):
     assert [e.input_ids for e in serial] == [e.input_ids for e in parallel]
     assert [e.trainable for e in serial] == [e.trainable for e in parallel]
     assert r1.summary() == r2.summary() and r1.skipped["wrong_type"] == 6
+
+
+# Like Qwen3: only the reply after the last user message gets an (empty) think block, so an
+# earlier reply renders differently as the last message than inside the full conversation.
+THINK_TEMPLATE = (
+    "{% set ns = namespace(last=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_reply_rendered_differently_when_last_still_gets_targets(chatml, tmp_path):
+    tok = AutoTokenizer.from_pretrained(save_test_tokenizer(tmp_path, "chatml"))
+    tok.chat_template = THINK_TEMPLATE
+    S, E = "<|im_start|>", "<|im_end|>"
+    ids, mask = _expected(tok, [
+        (S, 0), ("user\nHi there", 0), (E, 0), ("\n", 0),
+        (S, 0), ("assistant\n", 0), ("Hello friend", 1), (E, 1), ("\n", 0),
+        (S, 0), ("user\nBye", 0), (E, 0), ("\n", 0),
+        (S, 0), ("assistant\n", 0), ("<think>\n\n</think>\n\nSure.\nGoodbye now", 1), (E, 1),
+        ("\n", 0),
+    ])  # fmt: skip
+    ex = encode_chat(tok, CONVERSATION[1:], "assistant")
+    assert ex.input_ids == ids
+    assert ex.trainable == [bool(m) for m in mask]
+
+
+def test_template_error_is_a_counted_skip(chatml, tmp_path):
+    tok = AutoTokenizer.from_pretrained(save_test_tokenizer(tmp_path, "chatml"))
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:]}]
+    examples, report = tokenize_rows(rows, tok, max_tokens=256)
+    assert report.kept == 1 and report.skipped["template_error"] == 1
+    assert "no system role" in report.first_skip

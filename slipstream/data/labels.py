@@ -90,13 +90,32 @@ def encode_chat(tokenizer: Any, messages: list[dict], train_on: str) -> Example:
         return Example(ids, [True] * len(ids))
     trainable = [False] * len(ids)
     for k in range(len(turns)):
-        start = _longest_common_prefix(ids, encoded[1 + 2 * k])
-        end = _longest_common_prefix(ids, encoded[2 + 2 * k])
-        # Drop whitespace the template adds after the end-of-turn token (ChatML's "\n").
-        while end > start and not tokenizer.decode([ids[end - 1]]).strip():
-            end -= 1
+        prefix, upto = encoded[1 + 2 * k], encoded[2 + 2 * k]
+        start = _longest_common_prefix(ids, prefix)
+        end = _longest_common_prefix(ids, upto)
+        if end < len(upto):
+            end = _turn_end_in_full(tokenizer, ids, upto, start, end)
+        end = _strip_trailing_whitespace(tokenizer, ids, start, end)
         trainable[start:end] = [True] * (end - start)
     return Example(ids, trainable)
+
+
+def _strip_trailing_whitespace(tokenizer: Any, ids: list[int], start: int, end: int) -> int:
+    # Whitespace a template puts after the end-of-turn token (ChatML's "\n") is not a target.
+    while end > start and not tokenizer.decode([ids[end - 1]]).strip():
+        end -= 1
+    return end
+
+
+def _turn_end_in_full(tokenizer: Any, ids: list[int], upto: list[int], start: int, lcp: int) -> int:
+    """End of an assistant turn whose rendering as the last message differs from the full
+    conversation (Qwen3 adds an empty <think></think> block to the last reply only): the
+    first end-of-turn token, the one that closes `upto`, at or after the reply's start."""
+    eot = upto[_strip_trailing_whitespace(tokenizer, upto, 0, len(upto)) - 1]
+    try:
+        return ids.index(eot, start) + 1
+    except ValueError:
+        return lcp
 
 
 def encode_text(tokenizer: Any, text: str) -> Example:
@@ -121,7 +140,12 @@ def _encode_row(
     if isinstance(content, str):
         ex = encode_text(tokenizer, content)
     else:
-        ex = encode_chat(tokenizer, content, train_on)
+        try:
+            ex = encode_chat(tokenizer, content, train_on)
+        except Exception as e:  # jinja raises for e.g. roles a template does not allow
+            if type(e).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):
+                raise
+            return None, f"template_error: {str(e).splitlines()[0] if str(e) else e!r}", False
     truncated = False
     if len(ex) > max_tokens:
         if overlong == "drop":
