@@ -15,7 +15,7 @@ from slipstream.models.common import CausalLM
 
 
 def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
-    """Merge LoRA (if any) into `model` in place, then save it (and the tokenizer) at `directory`."""
+    """Merge LoRA (if any) into `model` in place; save it and the tokenizer at `directory`."""
     from slipstream.peft.lora import lora_modules, merge_lora
 
     if _is_quantized(model):
