@@ -1,0 +1,108 @@
+"""Host syncs per training step for every model family, every feature on (CPU audit).
+
+Run: `python benchmarks/bench_syncs.py` (seconds) or `--quick` (the same, fewer tokens).
+For each `model_type` in `slipstream.models.FAMILIES`: a tiny random-initialised model, LoRA
+(`slipstream.peft.lora.apply_lora`, when built), activation checkpointing with offload
+(`slipstream.memory.offload.apply_checkpointing`, when built; on CPU the module decides what
+offload means there), then one training step as the trainer runs it: summed loss / labelled
+tokens, backward, grad-norm clip, the trainer's CUDA optimizer (fused AdamW: its step counters
+live on the device), zero_grad. The second step is audited with `count_syncs()`, which judges
+each op by what it would do on CUDA, so 0 here means 0 on the GPU. Target: 0 in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import common
+import torch
+
+from slipstream.debug import count_syncs
+
+COLUMNS = ["model_type", "kind", "features", "fwd+bwd syncs", "optimizer syncs", "where"]
+
+# Config keys a family needs beyond common.TINY for its tiny model to be valid.
+EXTRA = {"mistral": {"sliding_window": None}}
+
+
+def apply_features(model: torch.nn.Module) -> list[str]:
+    """LoRA then checkpointing/offload, each if its module exists; names of what was applied."""
+    features = []
+    apply_lora = common.optional("slipstream.peft.lora", "apply_lora")
+    if apply_lora is not None:
+        apply_lora(model, rank=8, alpha=16)
+        features.append("lora")
+    else:
+        model.requires_grad_(True)
+        features.append("full (no lora module)")
+    apply_checkpointing = common.optional("slipstream.memory.offload", "apply_checkpointing")
+    if apply_checkpointing is not None:
+        apply_checkpointing(model, "offload")
+        features.append("offload")
+    return features
+
+
+def measure(model_type: str, tokens: int) -> dict:
+    from slipstream.train.optim import build_optimizer
+
+    hf = common.hf_config(model_type, **{**common.TINY, **EXTRA.get(model_type, {})})
+    model = common.build_random_model(hf).train()
+    moe = any("expert" in name for name, _ in model.named_parameters())
+    features = apply_features(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # device=cuda picks what the trainer runs on a GPU (fused AdamW) without needing one.
+    optimizer = build_optimizer(
+        model.named_parameters(), lr=1e-4, weight_decay=0.0, device=torch.device("cuda")
+    )
+    lengths = common.split_lengths(tokens, 3)
+    ids, labels, seq = common.random_batch(lengths, hf["vocab_size"])
+    num_labels = sum(n - 1 for n in lengths)  # host int, as the collator gives it
+
+    for _ in range(2):  # the first step creates optimizer state; audit the second
+        with count_syncs() as model_syncs:
+            loss = model.loss(ids, labels, seq, reduction="sum")
+            (loss / num_labels).backward()
+        with count_syncs() as optim_syncs:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    sites = {**model_syncs.sites, **optim_syncs.sites}
+    return {
+        "model_type": model_type,
+        "kind": "MoE" if moe else "dense",
+        "features": " + ".join(features),
+        "fwd+bwd syncs": model_syncs.total,
+        "optimizer syncs": optim_syncs.total,
+        "where": "; ".join(f"{op} at {site}" for op, site in sites.items()) or "-",
+        "loss": loss.item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run")
+    ap.add_argument("--json", help="also write the rows and run info to this file")
+    args = ap.parse_args(argv)
+    from slipstream.models import FAMILIES
+
+    tokens = 96 if args.quick else 512
+    rows = []
+    for model_type in sorted(FAMILIES):
+        try:
+            rows.append(measure(model_type, tokens))
+        except Exception as e:  # one broken family must not hide the others
+            rows.append({"model_type": model_type, "where": f"error: {type(e).__name__}: {e}"})
+    info = common.run_info()
+    command = "python benchmarks/bench_syncs.py" + (" --quick" if args.quick else "")
+    print(f"Host syncs per training step (second step, {tokens} tokens in 3 sequences)")
+    print(common.header(info, command))
+    print(common.markdown_table(rows, COLUMNS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Shared pieces of the benchmarks: random-initialised models, the per-layer metadata
+baseline, timing, and markdown tables.
+
+Scripts in this folder import it as `common` (the folder is on `sys.path` when a script runs);
+importing it also puts the repository root on `sys.path`, so the benchmarks run from a
+checkout without installing slipstream.
+
+The baseline ("the old way"): every attention layer asks the device for the sequence
+boundaries again (`.tolist()` of the lengths from `cu_seqlens`, `.item()` of the longest)
+and rebuilds its mask in a Python loop over the sequences. `per_layer_metadata()` swaps it
+in for `slipstream.ops.attention.attend` wherever the models call it, for one block only.
+
+Shapes: T tokens, H query heads, G kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from slipstream.ops import attention  # noqa: E402
+from slipstream.ops.packing import SeqInfo  # noqa: E402
+
+DATE = "2026-11-30"  # the date the docs tables carry (set by the issue, not the clock)
+
+# Tiny shapes every family accepts; MoE keys are ignored by dense configs.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    experts_per_token=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def optional(module: str, attr: str | None = None) -> Any:
+    """`module` (or `module.attr`) if it can be imported, else None: parts land over time."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    return getattr(mod, attr, None) if attr else mod
+
+
+def hf_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """A full config.json dict for `model_type`: transformers' defaults plus `overrides`."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type, **overrides).to_dict()
+    cfg["model_type"] = model_type
+    return cfg
+
+
+def build_random_model(
+    hf: dict[str, Any], *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0
+) -> torch.nn.Module:
+    """A slipstream model of `hf`'s shapes with random weights, built directly on `device`.
+
+    Uses the family's `config_from_hf` + `build`; the modules' own initialisers fill the
+    weights (seeded), the embedding is rescaled to std 0.02 so tied heads give sane logits.
+    """
+    from slipstream.models import family_for
+
+    family = family_for(hf.get("model_type"), "benchmark config")
+    cfg = family.config_from_hf(hf)
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = family.build(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.02)
+    model.model.reset_rope()
+    return model
+
+
+def random_batch(
+    lengths: Sequence[int], vocab: int, device: Any = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, SeqInfo]:
+    """input_ids (T,), labels (T,) shifted within each sequence (-100 at each end), SeqInfo."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g)
+    labels = torch.roll(ids, -1).clone()
+    ends = torch.tensor(list(lengths)).cumsum(0) - 1
+    labels[ends] = -100
+    return ids.to(device), labels.to(device), SeqInfo.from_lengths(list(lengths), device)
+
+
+def split_lengths(total: int, num_seqs: int, seed: int = 0) -> list[int]:
+    """`num_seqs` random lengths (each >= 16) summing to exactly `total`."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(num_seqs, generator=g) + 0.25
+    lengths = [max(16, int(w)) for w in (weights / weights.sum() * total).tolist()]
+    lengths[-1] += total - sum(lengths)
+    if lengths[-1] < 1:
+        raise ValueError(f"split_lengths: cannot split {total} tokens into {num_seqs} >= 16")
+    return lengths
+
+
+# ----------------------------------------------------------------------------- baseline
+
+_ORIGINAL_ATTEND = attention.attend
+
+
+class RebuildStats:
+    """How many times the baseline rebuilt the metadata (once per attention call)."""
+
+    rebuilds = 0
+
+
+def rebuild_lengths(seq: SeqInfo) -> list[int]:
+    """The old way to learn the boundaries: ask the device (two host syncs)."""
+    seqlens = seq.cu_seqlens[1:] - seq.cu_seqlens[:-1]
+    lengths = seqlens.tolist()
+    max_len = int(seqlens.max().item())  # what the old varlen call was handed
+    assert max_len == max(lengths)
+    return lengths
+
+
+def rebuild_mask(seq: SeqInfo, window: int | None = None, device: Any = None) -> torch.Tensor:
+    """The old way to build the dense (T, T) block-causal mask: syncs, then a Python loop."""
+    lengths = rebuild_lengths(seq)
+    device = device if device is not None else seq.device
+    T = sum(lengths)
+    mask_TT = torch.zeros(T, T, dtype=torch.bool, device=device)
+    start = 0
+    for n in lengths:
+        block = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        if window is not None:
+            block &= ~torch.ones_like(block).tril(-window)
+        mask_TT[start : start + n, start : start + n] = block
+        start += n
+    return mask_TT
+
+
+def rebuild_attend(q_THD, k_TGD, v_TGD, seq, window=None, sinks=None, scale=None):
+    """The old way, in every layer: read the boundaries back from the device, rebuild masks.
+
+    Two host syncs a call (`.tolist()`, `.item()`). On CPU the dense block-causal mask is
+    built in a Python loop; on CUDA (and with sinks) a fresh, uncached SeqInfo goes to the
+    real kernel, so its block mask (flex path) is rebuilt in every layer too.
+    """
+    RebuildStats.rebuilds += 1
+    if q_THD.is_cuda or sinks is not None:
+        fresh = SeqInfo.from_lengths(rebuild_lengths(seq), q_THD.device)
+        return _ORIGINAL_ATTEND(q_THD, k_TGD, v_TGD, fresh, window, sinks, scale)
+    mask_TT = rebuild_mask(seq, window, q_THD.device)
+    out_1HTD = F.scaled_dot_product_attention(
+        q_THD.transpose(0, 1)[None],
+        k_TGD.transpose(0, 1)[None],
+        v_TGD.transpose(0, 1)[None],
+        attn_mask=mask_TT,
+        scale=scale,
+        enable_gqa=k_TGD.shape[1] != q_THD.shape[1],
+    )
+    return out_1HTD[0].transpose(0, 1)
+
+
+@contextlib.contextmanager
+def per_layer_metadata() -> Iterator[type[RebuildStats]]:
+    """Within the block, every module of slipstream that calls `attend` calls the baseline."""
+    patched = [
+        mod
+        for name, mod in list(sys.modules.items())
+        if name.startswith("slipstream") and getattr(mod, "attend", None) is _ORIGINAL_ATTEND
+    ]
+    RebuildStats.rebuilds = 0
+    for mod in patched:
+        mod.attend = rebuild_attend
+    try:
+        yield RebuildStats
+    finally:
+        for mod in patched:
+            mod.attend = _ORIGINAL_ATTEND
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_per_call(
+    fn: Callable[[], Any], *, reps: int, warmup: int = 1, device: Any = "cpu"
+) -> float:
+    """Seconds per call of `fn`, warm-up calls excluded.
+
+    CPU: median of the individual calls (2 shared cores are noisy). CUDA: one timed region of
+    `reps` calls with `torch.cuda.synchronize()` only at its two ends, mean per call.
+    """
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, reps: int, warmup: int = 1):
+    """Median seconds per call of each of `fns` (CPU), calls alternating between them.
+
+    On 2 shared cores the load drifts over seconds; alternating A, B, A, B, ... puts the same
+    drift into every contender, so their ratio holds even when the absolute numbers move.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], digits: int = 3) -> str:
+    """A markdown table of `rows` (dicts) in `columns` order; missing cells print '-'."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [fmt(row.get(c), digits).replace("|", "/").replace("\n", " ") for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def run_info(device: Any = "cpu") -> dict[str, str]:
+    """Date, commit, hardware, torch version: the header every results table carries."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        hardware = torch.cuda.get_device_name(dev)
+    else:
+        cores = os.cpu_count()
+        hardware = f"{cores}-core CPU (no GPU), {torch.get_num_threads()} torch thread(s)"
+    return {
+        "date": DATE,
+        "run_at": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def header(info: dict[str, str], command: str) -> str:
+    return (
+        f"date {info['date']} · commit {info['commit']} · {info['hardware']} · "
+        f"torch {info['torch']} · `{command}`"
+    )
