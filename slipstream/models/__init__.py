@@ -15,6 +15,8 @@ FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
 }
 
 
