@@ -1,0 +1,331 @@
+"""Activation checkpointing and offload: identical numerics, the reload schedule, no syncs.
+
+CPU runs force the offload schedule (`force=True`): the pool's bookkeeping and ordering are
+the same code as on CUDA, with synchronous copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import pytest
+import torch
+from helpers.models import make_hf_model
+
+import slipstream
+from slipstream.debug import count_syncs
+from slipstream.memory.offload import apply_checkpointing, get_offload_pool
+from slipstream.ops.packing import SeqInfo
+
+LAYERS = 8
+LENGTHS = [7, 3, 12, 1]
+OFFLOAD = dict(force=True, min_offload_bytes=0, record_events=True)
+MODES = {
+    "recompute": ("recompute", {}),
+    "offload-double": ("offload", OFFLOAD),
+    "offload-single": ("offload", {**OFFLOAD, "double_buffer": False}),
+}
+
+
+def _save(tmp_path_factory, family):
+    path = tmp_path_factory.mktemp(family)
+    make_hf_model(family, num_hidden_layers=LAYERS).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return _save(tmp_path_factory, "qwen3")
+
+
+def _batch(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (sum(lengths),), generator=g)
+    return ids, torch.randint(0, 97, ids.shape, generator=g), SeqInfo.from_lengths(lengths)
+
+
+def _model(path, lora_dropout: float | None = None):
+    model = slipstream.load_model(path)
+    if lora_dropout is None:
+        model.requires_grad_(True)
+        return model
+    from slipstream.peft.lora import apply_lora, lora_modules
+
+    torch.manual_seed(3)  # lora_A's init draws from the global RNG
+    apply_lora(model, rank=4, alpha=8, dropout=lora_dropout)
+    with torch.no_grad():  # B starts at zero: randomise it so A gets a gradient too
+        for module in lora_modules(model).values():
+            module.lora_B.weight.normal_()
+    return model
+
+
+def _step(model, batch=None, seed=0):
+    ids, labels, seq = batch or _batch()
+    torch.manual_seed(seed)  # same dropout masks in every mode
+    loss = model.loss(ids, labels, seq)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def _assert_identical(a, b):
+    assert torch.equal(a[0], b[0]), f"loss {a[0]} != {b[0]}"
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert a[1][name] is not None, name
+        assert torch.equal(a[1][name], b[1][name]), f"gradient of {name} differs"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_full_finetune_bitwise_identical(request, family):
+    path = request.getfixturevalue("checkpoint_dir" if family == "llama" else "qwen3_dir")
+    reference = _step(_model(path))
+    for name, kwargs in MODES.values():
+        model = _model(path)
+        apply_checkpointing(model, name, **kwargs)
+        _assert_identical(_step(model), reference)
+
+
+def _lora_available() -> bool:
+    try:
+        import slipstream.peft.lora  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _lora_available(), reason="slipstream/peft/lora.py not built yet")
+def test_lora_with_dropout_bitwise_identical(checkpoint_dir):
+    reference = _step(_model(checkpoint_dir, lora_dropout=0.2))
+    assert len(reference[1]) == 2 * 7 * LAYERS  # lora_A and lora_B of 7 projections a layer
+    for name, kwargs in MODES.values():
+        model = _model(checkpoint_dir, lora_dropout=0.2)
+        apply_checkpointing(model, name, **kwargs)
+        _assert_identical(_step(model), reference)
+
+
+@pytest.mark.skipif(not _lora_available(), reason="slipstream/peft/lora.py not built yet")
+def test_dropout_needs_preserved_rng(checkpoint_dir):
+    """Shows the RNG restore matters: without it the recompute draws other dropout masks."""
+    reference = _step(_model(checkpoint_dir, lora_dropout=0.2))
+    model = _model(checkpoint_dir, lora_dropout=0.2)
+    apply_checkpointing(model, "offload", preserve_rng_state=False, **OFFLOAD)
+    loss, grads = _step(model)
+    assert torch.equal(loss, reference[0])  # forward is untouched
+    assert not all(torch.equal(grads[n], reference[1][n]) for n in grads)
+
+
+def test_gradient_accumulation_two_forwards_one_backward(checkpoint_dir):
+    """Two graphs alive at once: two offloaded inputs per layer, backward in engine order."""
+
+    def run(model):
+        torch.manual_seed(0)
+        losses = [model.loss(*_batch(seed=s)) for s in (1, 2)]
+        (losses[0] + losses[1]).backward()
+        return losses[0].detach() + losses[1].detach(), {
+            n: p.grad for n, p in model.named_parameters()
+        }
+
+    reference = run(_model(checkpoint_dir))
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", **OFFLOAD)
+    _assert_identical(run(model), reference)
+    assert pool.stats().max_resident <= 2
+    assert pool.stats().bytes_reloaded == pool.stats().bytes_offloaded
+
+
+def _position(events, event):
+    assert events.count(event) == 1, f"{event} occurs {events.count(event)} times"
+    return events.index(event)
+
+
+def _max_resident(events):
+    """Replay the log: a reload occupies a buffer until that layer's backward ends."""
+    resident, most = set(), 0
+    for what, layer in events:
+        if what == "prefetch":
+            resident.add(layer)
+        elif what == "backward_end":
+            resident.discard(layer)
+        most = max(most, len(resident))
+    return most
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_schedule(checkpoint_dir, double):
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", **{**OFFLOAD, "double_buffer": double})
+    _step(model)
+    ev = pool.events
+    offloaded = [layer for what, layer in ev if what == "offload"]
+    assert offloaded == list(range(LAYERS - 1))  # the last layer's input stays on the device
+    for j in offloaded:
+        prefetch = _position(ev, ("prefetch", j))
+        # Issued before the backward that needs it starts ...
+        assert prefetch < _position(ev, ("backward_start", j))
+        if double:  # ... as soon as the layer after it starts, ahead of that one's recompute
+            assert _position(ev, ("backward_start", j + 1)) < prefetch
+            assert prefetch < _position(ev, ("recompute", j + 1))
+        elif j + 1 in offloaded:  # ... once layer j+1 frees the one buffer
+            assert _position(ev, ("backward_end", j + 1)) < prefetch
+        else:  # the last layer holds no buffer: its backward start is early enough
+            assert _position(ev, ("backward_start", j + 1)) < prefetch
+    want = 2 if double else 1
+    assert _max_resident(ev) == want
+    stats = pool.stats()
+    assert (stats.num_buffers, stats.max_resident, stats.steps) == (want, want, 1)
+    assert stats.bytes_offloaded == stats.bytes_reloaded == (LAYERS - 1) * 23 * 48 * 4
+
+
+def test_offloaded_inputs_leave_the_device_after_forward(checkpoint_dir):
+    """Offload holds no reference to the layer inputs it copied out; recompute keeps them."""
+
+    def alive_after_forward(mode, **kwargs):
+        model = _model(checkpoint_dir)
+        apply_checkpointing(model, mode, **kwargs)
+        refs = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+        loss = model.loss(*_batch())
+        alive = [r() is not None for r in refs]
+        loss.backward()
+        return alive
+
+    assert alive_after_forward("offload", **OFFLOAD) == [False] * (LAYERS - 1) + [True]
+    assert alive_after_forward("recompute") == [True] * LAYERS
+
+
+def test_small_inputs_stay_on_device(checkpoint_dir):
+    reference = _step(_model(checkpoint_dir))
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", force=True, min_offload_bytes=23 * 48 * 4 + 1)
+    _assert_identical(_step(model), reference)
+    assert pool.stats().bytes_offloaded == 0 and pool.stats().num_buffers == 0
+
+
+def test_pool_allocated_once_and_reused(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", **OFFLOAD)
+    _step(model)
+    slots = {i: [s.data_ptr() for s in pool.free_slots[i]] for i in pool.free_slots}
+    buffers = [b.data_ptr() for b in pool.buffers]
+    assert pool.stats().host_allocations == LAYERS - 1
+    for _ in range(2):  # same or fewer tokens: no new host slot, no new buffer
+        _step(model, _batch([5, 9, 2]))
+    assert pool.stats().host_allocations == LAYERS - 1
+    assert {i: [s.data_ptr() for s in pool.free_slots[i]] for i in pool.free_slots} == slots
+    assert [b.data_ptr() for b in pool.buffers] == buffers
+    _step(model, _batch([30, 10]))  # a longer batch grows each slot once
+    assert pool.stats().host_allocations == 2 * (LAYERS - 1)
+    assert pool.stats().steps == 4
+
+
+def test_offload_step_has_no_host_syncs(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    apply_checkpointing(model, "offload", **OFFLOAD)
+    ids, labels, seq = _batch()
+    _step(model)  # first step allocates the pool
+    with count_syncs() as syncs:
+        model.loss(ids, labels, seq).backward()
+    assert syncs.total == 0, str(syncs)
+
+
+def test_eval_forward_offloads_nothing(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    ids, _, seq = _batch()
+    with torch.no_grad():
+        reference = model(ids, seq)
+        pool = apply_checkpointing(model, "offload", **OFFLOAD)
+        assert torch.equal(model(ids, seq), reference)
+    assert pool.events == []
+
+
+def test_state_dict_names_unchanged_and_none_undoes(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    keys = list(model.state_dict().keys())
+    classes = [type(layer) for layer in model.model.layers]
+    for mode, kwargs in MODES.values():
+        apply_checkpointing(model, mode, **kwargs)
+        assert list(model.state_dict().keys()) == keys
+        assert all(type(a) is not b for a, b in zip(model.model.layers, classes))
+    apply_checkpointing(model, "none")
+    assert [type(layer) for layer in model.model.layers] == classes
+    assert not any("_slipstream_plan" in vars(layer) for layer in model.model.layers)
+    assert get_offload_pool(model) is None
+
+
+def test_none_leaves_model_untouched(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    before = [(type(layer), dict(vars(layer))) for layer in model.model.layers]
+    assert apply_checkpointing(model, "none") is None
+    assert [(type(layer), dict(vars(layer))) for layer in model.model.layers] == before
+
+
+def test_offload_on_cpu_without_force_recomputes(checkpoint_dir, caplog):
+    reference = _step(_model(checkpoint_dir))
+    model = _model(checkpoint_dir)
+    with caplog.at_level(logging.WARNING, logger="slipstream.memory.offload"):
+        assert apply_checkpointing(model, "offload") is None
+        apply_checkpointing(model, "offload")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("needs a CUDA device" in m for m in messages) <= 1  # said once per process
+    assert all(layer._slipstream_plan.mode == "recompute" for layer in model.model.layers)
+    _assert_identical(_step(model), reference)
+
+
+def test_bad_arguments_are_one_line_value_errors(checkpoint_dir):
+    model = _model(checkpoint_dir)
+    with pytest.raises(ValueError, match="'swap'.*offload, recompute, none") as e:
+        apply_checkpointing(model, "swap")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="double_buffer='yes'"):
+        apply_checkpointing(model, "offload", double_buffer="yes")
+    with pytest.raises(ValueError, match="model.layers"):
+        apply_checkpointing(torch.nn.Linear(2, 2), "recompute")
+
+
+# --- CUDA -----------------------------------------------------------------------------------
+
+
+def _cuda_model(path, mode, **kwargs):
+    model = slipstream.load_model(path, dtype=torch.float32, device="cuda")
+    model.requires_grad_(True)
+    pool = apply_checkpointing(model, mode, **kwargs)
+    return model, pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("double", [True, False])
+def test_cuda_offload_matches_recompute(checkpoint_dir, double):
+    ids, labels, _ = _batch()
+    batch = (ids.cuda(), labels.cuda(), SeqInfo.from_lengths(LENGTHS, device="cuda"))
+    reference = _step(_cuda_model(checkpoint_dir, "recompute")[0], batch)
+    model, pool = _cuda_model(
+        checkpoint_dir, "offload", min_offload_bytes=0, double_buffer=double, timing=True
+    )
+    _assert_identical(_step(model, batch), reference)
+    stats = pool.stats()
+    assert stats.num_buffers == (2 if double else 1)
+    assert stats.h2d_ms is not None and stats.exposed_ms is not None
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_pool_reused_and_sync_free(checkpoint_dir):
+    ids, labels, _ = _batch()
+    batch = (ids.cuda(), labels.cuda(), SeqInfo.from_lengths(LENGTHS, device="cuda"))
+    model, pool = _cuda_model(checkpoint_dir, "offload", min_offload_bytes=0)
+    _step(model, batch)
+    assert all(s.is_pinned() for slots in pool.free_slots.values() for s in slots)
+    ptrs = sorted(s.data_ptr() for slots in pool.free_slots.values() for s in slots)
+    with count_syncs() as syncs:
+        model.loss(*batch).backward()
+    assert syncs.total == 0, str(syncs)
+    torch.cuda.synchronize()
+    assert sorted(s.data_ptr() for slots in pool.free_slots.values() for s in slots) == ptrs
+    assert pool.stats().host_allocations == LAYERS - 1
