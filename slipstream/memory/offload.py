@@ -75,35 +75,31 @@ class OffloadStats:
     exposed_ms: float | None = None  # time the compute stream stood waiting for reloads
 
     @property
-    def bytes_offloaded_per_step(self) -> float:
-        return self.bytes_offloaded / max(self.steps, 1)
-
-    @property
     def h2d_gbps(self) -> float | None:
         return self.bytes_reloaded / self.h2d_ms / 1e6 if self.h2d_ms else None
 
     @property
-    def d2h_gbps(self) -> float | None:
+    def d2h_gbps(self) -> float | None:  # while forward runs, so it overlaps compute
         return self.bytes_offloaded / self.d2h_ms / 1e6 if self.d2h_ms else None
 
 
 class _SyncCopies:
     """CPU twin of `_CudaCopies`: copies happen at once, events are None."""
 
-    timing = False
-
     def record_compute(self) -> None:
         return None
 
     def copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         dst.copy_(src)
-        return None
 
     def wait(self, event: Any) -> None:
         pass
 
+    def release(self, device_tensor: torch.Tensor) -> None:
+        pass
+
     def timings(self) -> dict[str, float | None]:
-        return {"d2h": None, "h2d": None, "wait": None}
+        return {}
 
 
 class _CudaCopies:
@@ -135,6 +131,10 @@ class _CudaCopies:
             self.spans[kind].append((start, done))
         return done
 
+    def release(self, device_tensor: torch.Tensor) -> None:
+        """About to drop a device tensor the copy stream may still write: keep it until then."""
+        device_tensor.record_stream(self.stream)
+
     def wait(self, event: Any) -> None:
         compute = torch.cuda.current_stream(self.device)
         start = self._event(compute) if self.timing else None
@@ -145,7 +145,7 @@ class _CudaCopies:
     def timings(self) -> dict[str, float | None]:
         """Sum of each span kind in ms. Synchronizes on the events: call between steps."""
         if not self.timing:
-            return {"d2h": None, "h2d": None, "wait": None}
+            return {}
         out = {}
         for kind, spans in self.spans.items():
             for _, end in spans:
@@ -157,8 +157,8 @@ class _CudaCopies:
 class _Saved:
     """One offloaded layer input: where its bytes are and what state they are in."""
 
-    __slots__ = ("index", "shape", "dtype", "nbytes", "slot", "state", "buffer", "ready")
-    __slots__ += ("__weakref__",)
+    __slots__ = ("index", "shape", "dtype", "nbytes", "slot", "state", "buffer", "ready",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, index: int, x: torch.Tensor, slot: torch.Tensor) -> None:
         self.index, self.shape, self.dtype, self.nbytes = index, x.shape, x.dtype, x.nbytes
@@ -187,8 +187,6 @@ class OffloadPool:
         timing: bool = False,
         record_events: bool = False,
     ) -> None:
-        if double_buffer not in (True, False, "auto"):
-            raise ValueError(f"double_buffer={double_buffer!r}; use True, False or 'auto'.")
         self.pin, self.min_offload_bytes = pin, min_offload_bytes
         self.double_buffer, self.timing = double_buffer, timing
         self.events: list[tuple[str, int]] | None = [] if record_events else None
@@ -199,9 +197,7 @@ class OffloadPool:
         self.buffer_free: list[Any] = []  # event: the last reader of the buffer has finished
         self.free_slots: dict[int, list[torch.Tensor]] = {}
         self.pending: list[weakref.ref[_Saved]] = []  # offloaded, not reloaded, forward order
-        self.max_nbytes = 0
-        self.host_allocations = 0
-        self.host_bytes = 0
+        self.max_nbytes = self.host_allocations = self.host_bytes = 0
         self.reset_stats()
 
     # -- statistics -------------------------------------------------------------------------
@@ -213,18 +209,10 @@ class OffloadPool:
     def stats(self) -> OffloadStats:
         t = self.copies.timings() if self.copies is not None else {}
         return OffloadStats(
-            steps=self.steps,
-            bytes_offloaded=self.bytes_offloaded,
-            bytes_reloaded=self.bytes_reloaded,
-            num_buffers=len(self.buffers),
-            buffer_bytes=self.buffers[0].numel() if self.buffers else 0,
-            host_bytes=self.host_bytes,
-            host_allocations=self.host_allocations,
-            max_resident=self.max_resident,
-            d2h_ms=t.get("d2h"),
-            h2d_ms=t.get("h2d"),
-            exposed_ms=t.get("wait"),
-        )
+            self.steps, self.bytes_offloaded, self.bytes_reloaded, len(self.buffers),
+            self.buffers[0].numel() if self.buffers else 0, self.host_bytes,
+            self.host_allocations, self.max_resident, t.get("d2h"), t.get("h2d"), t.get("wait"),
+        )  # fmt: skip
 
     def _note(self, what: str, index: int) -> None:
         if self.events is not None:
@@ -261,6 +249,11 @@ class OffloadPool:
     def backward_start(self, index: int, saved: _Saved | None) -> None:
         """Layer `index`'s backward begins: have its own input reloading, prefetch the next."""
         self._note("backward_start", index)
+        if saved is not None and saved.state == "done":
+            raise RuntimeError(
+                "activation offload frees each layer input after its first backward; "
+                "for retain_graph=True / double backward use mode='recompute'"
+            )
         if saved is not None:
             if saved.state == "host":
                 self._reload(saved, self._claim_buffer(saved))  # not prefetched: exposed copy
@@ -322,6 +315,7 @@ class OffloadPool:
         for b, owner in enumerate(self.owners):
             if owner is None:
                 if self.buffers[b].numel() < nbytes:  # a longer batch than any before
+                    self.copies.release(self.buffers[b])
                     self.buffers[b] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 return b
         return None
@@ -382,12 +376,15 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
     return device_type, True, torch.get_autocast_dtype(device_type)
 
 
+@dataclass
 class _Plan:
     """How one wrapped layer runs: its mode, position and the pool it offloads into."""
 
-    def __init__(self, mode: str, index: int, last: bool, pool: OffloadPool | None) -> None:
-        self.mode, self.index, self.last, self.pool = mode, index, last, pool
-        self.preserve_rng_state = True
+    mode: str
+    index: int
+    last: bool
+    pool: OffloadPool | None
+    preserve_rng_state: bool
 
 
 class _OffloadedLayer(torch.autograd.Function):
@@ -448,7 +445,7 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tenso
     params = [p for p in self.parameters() if p.requires_grad]
     if not (x_TD.requires_grad or params):
         return base(self, x_TD, seq, cos_sin)
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in cos_sin):
+    if isinstance(cos_sin, tuple | list) and any(getattr(t, "requires_grad", 0) for t in cos_sin):
         raise ValueError("cos_sin requires grad; activation offload passes it through untracked")
     return _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
 
@@ -514,7 +511,7 @@ def apply_checkpointing(
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}; use one of {', '.join(MODES)}")
     if double_buffer not in (True, False, "auto"):
-        raise ValueError(f"double_buffer={double_buffer!r}; use True, False or 'auto'.")
+        raise ValueError(f"double_buffer={double_buffer!r}; use True, False or 'auto'")
     layers = _layers(model)
     for layer in layers:
         _unwrap(layer)
@@ -535,10 +532,8 @@ def apply_checkpointing(
             )  # fmt: skip
             _POOLS[model] = pool
     for i, layer in enumerate(layers):
-        plan = _Plan(mode, i, last=i == len(layers) - 1, pool=pool)
-        plan.preserve_rng_state = preserve_rng_state
         layer.__class__ = _checkpointed_class(type(layer))
-        layer._slipstream_plan = plan
+        layer._slipstream_plan = _Plan(mode, i, i == len(layers) - 1, pool, preserve_rng_state)
     return pool
 
 
