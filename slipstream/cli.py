@@ -90,13 +90,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(f"no adapter_config.json in '{adapter}' (is it an adapter dir?)")
     check_output_dir(args.out)
-    import slipstream
+    from slipstream.checkpoint.export import export_merged
     from slipstream.checkpoint.hf import load_model
     from slipstream.peft.lora import load_adapter
+    from slipstream.train.loop import load_tokenizer
 
+    # The trainer saves the tokenizer beside the adapter; otherwise take the base model's.
+    has_tokenizer = any(adapter.glob("tokenizer*"))
+    tokenizer = load_tokenizer(str(adapter) if has_tokenizer else args.base)
     model = load_model(args.base)
     load_adapter(model, adapter)
-    slipstream.export_merged(model, args.out)
+    export_merged(model, args.out, tokenizer=tokenizer)
     print(f"slipstream: merged model written to {args.out}")
     return 0
 

@@ -12,6 +12,7 @@ it broke and the value it got.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import tempfile
@@ -157,13 +158,38 @@ def valid_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str
     return keys
 
 
+# Names other trainers use for our keys: spelling distance alone would not find these.
+KNOWN_ALIASES = {
+    "learning_rate": "train.lr",
+    "max_steps": "train.steps",
+    "num_train_epochs": "train.epochs",
+    "num_epochs": "train.epochs",
+    "batch_size": "train.tokens_per_batch",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "max_grad_norm": "train.clip",
+    "gradient_checkpointing": "train.activation_checkpointing",
+    "r": "lora.rank",
+    "lora_r": "lora.rank",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "target_modules": "lora.targets",
+    "max_seq_length": "data.max_tokens",
+    "max_length": "data.max_tokens",
+    "dataset": "data.train",
+    "model_name_or_path": "model.path",
+}
+
+
 def closest_key(key: str) -> str | None:
-    """The valid dotted key nearest to `key` (full path first, then by the last part)."""
+    """The valid dotted key nearest to `key` (known aliases, full path, then the last part)."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in KNOWN_ALIASES:
+        return KNOWN_ALIASES[leaf]
     keys = valid_keys()
     match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if match:
         return match[0]
-    leaf = key.rsplit(".", 1)[-1]
     by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys if "." in k}
     match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
     return by_leaf[match[0]] if match else None
@@ -215,11 +241,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = text  # not a YAML scalar: keep the literal string
     # PyYAML reads `1e-4` as a string (YAML 1.1 wants `1.0e-4`); users mean a number.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value.lower() for c in ".e") else value
-        except ValueError:
-            pass
+    if isinstance(value, str) and "e" in value.lower():
+        with contextlib.suppress(ValueError):
+            value = float(value)
     return key, value
 
 

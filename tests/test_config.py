@@ -66,6 +66,8 @@ def test_override_creates_missing_section(tmp_path):
         ("train.warmup=5", "train.warmup", "train.warmup_steps"),
         ("outptu_dir=x", "outptu_dir", "output_dir"),
         ("tokens_per_batch=64", "tokens_per_batch", "train.tokens_per_batch"),
+        ("train.learning_rate=1e-4", "train.learning_rate", "train.lr"),
+        ("lora.lora_alpha=16", "lora.lora_alpha", "lora.alpha"),
     ],
 )
 def test_unknown_key_names_it_and_suggests(config_file, override, key, hint):

@@ -7,6 +7,7 @@ saves a checkpoint and stops cleanly; no host sync inside the micro-batch loop.
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -39,6 +40,15 @@ def chat_rows(n: int) -> list[dict]:
     return rows
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on 2 shared cores: 2 threads spin-wait (11 ms a linear), 1 takes 65 us."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny HF Llama folder with tokenizer files, and a jsonl chat dataset."""
@@ -46,10 +56,13 @@ def tiny_run(tmp_path_factory):
     model_dir = root / "model"
     save_test_tokenizer(model_dir, "chatml", vocab_size=300)
     make_hf_model(
-        "llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4
-    ).save_pretrained(
-        model_dir
-    )
+        "llama",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        initializer_range=0.2,  # at 0.02 the logits are ~uniform and LoRA cannot move them
+    ).save_pretrained(model_dir)
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
     return model_dir, data
@@ -124,14 +137,23 @@ def _tensors(batch):
     return batch.input_ids, batch.labels, batch.seq
 
 
+def lora_with_dropout(raw):
+    # Dropout draws from the torch RNG every step: resume must restore the RNG exactly.
+    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.2}
+    return raw
+
+
 def test_resume_gives_the_same_losses(tiny_run, tmp_path):
+    """6 straight steps == 3 steps, stop, resume, 3 steps (data order, RNG, Adam, schedule)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(config_from_dict(run_config(tiny_run, straight, steps=6, grad_accum=2)))
-    first = config_from_dict(run_config(tiny_run, split, steps=6, grad_accum=2, save_every=3))
-    # Stop after step 3 as a signal would, then resume from the checkpoint.
-    _train_until_signal(first, at_step=3)
-    assert [p.name for p in list_checkpoints(split)] == ["step-000003"]
-    resumed = run_config(tiny_run, split, steps=6, grad_accum=2, save_every=3)
+    kw = dict(steps=6, grad_accum=4, lr=2e-2, save_every=3)
+    train(config_from_dict(lora_with_dropout(run_config(tiny_run, straight, **kw))))
+    # 20 batches an epoch, 4 a step: steps 4-6 cross into epoch 2, so the resumed data
+    # stream must find both its place in an epoch and the next epoch's order.
+    first = config_from_dict(lora_with_dropout(run_config(tiny_run, split, **kw)))
+    _train_until_signal(first, at_step=4)  # stops after step 4; resumes from the step-3 save
+    resumed = lora_with_dropout(run_config(tiny_run, split, **kw))
+    shutil.rmtree(split / "checkpoints" / "step-000004")  # as if killed before that save
     summary = train(config_from_dict({**resumed, "resume": True}))
     assert summary["status"] == "completed" and summary["steps"] == 6
     a, b = losses(straight), losses(split)
@@ -185,3 +207,18 @@ def _tokenizer(tiny_run):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_run[0])
+
+
+def test_no_host_sync_in_the_micro_batch_loop(tiny_run, tmp_path):
+    from slipstream.data import collate
+    from slipstream.debug import count_syncs
+
+    raw = lora_with_dropout(run_config(tiny_run, tmp_path))
+    cfg = config_from_dict(raw)
+    data = build_data(cfg, _tokenizer(tiny_run))
+    model = build_model(cfg, torch.device("cpu"))
+    window = [collate(data.train[i : i + 2]) for i in (0, 2, 4)]
+    with count_syncs() as syncs:
+        loss_sum = accumulate_gradients(model, window)
+    assert syncs.total == 0, str(syncs)
+    assert loss_sum.requires_grad is False and loss_sum.ndim == 0

@@ -169,7 +169,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         if data.eval:
             eval_after = evaluate(model, data.eval, data.eval_batches, device)
             log.log({"step": step, "eval_loss": eval_after, "eval_ppl": perplexity(eval_after)})
-        save_result(model, tokenizer, out, full)
+        save_result(model, tokenizer, out, cfg)
     log.close()
     plot = plot_losses(log.path, out / "loss.png")
     summary = {
@@ -304,16 +304,16 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, full: bool) -> None:
+def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
     """The adapter (PEFT layout) or the full model (HF layout), plus the tokenizer files."""
-    if full:
+    if cfg.lora.method == "full":
         from slipstream.checkpoint.hf import save_model
 
         save_model(model, out)
     else:
         from slipstream.peft.lora import save_adapter
 
-        save_adapter(model, out)
+        save_adapter(model, out, base_model_name_or_path=cfg.model.path)
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
 
@@ -341,7 +341,7 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda, cuda:N)") from None
+        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
     return device
@@ -368,4 +368,3 @@ def report_dict(report: Any) -> Any:
     if dataclasses.is_dataclass(report):
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(report).items()}
     return report if isinstance(report, dict) else str(report)
-

@@ -64,7 +64,8 @@ class MetricsLog:
                 if key != "step" and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, record["step"])
         if "loss" in record:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            tok_s = f"{record['tokens_per_s']:.0f}"
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=tok_s)
         text = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if v is not None)
         if self.bar.disable:
             print(text, file=sys.stderr, flush=True)

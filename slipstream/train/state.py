@@ -100,7 +100,7 @@ def find_resume_checkpoint(resume: bool | str, output_dir: str | os.PathLike) ->
     found = list_checkpoints(path)
     if found:
         return found[-1]
-    raise FileNotFoundError(f"resume: no checkpoint at '{path}' (expected state.pt or checkpoints/)")
+    raise FileNotFoundError(f"resume: no checkpoint at '{path}' (no state.pt, no checkpoints/)")
 
 
 def load_checkpoint(

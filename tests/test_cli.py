@@ -1,0 +1,136 @@
+"""The `slipstream` command: train (LoRA) end to end, export, and exit status 2 with one line
+for a user's mistake."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from slipstream import cli
+from tests.test_train import one_thread, run_config, tiny_run  # noqa: F401  (fixtures)
+
+
+def write_yaml(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def lora_config(tiny_run, out):  # noqa: F811
+    raw = run_config(tiny_run, out, lr=2e-2, steps=10, grad_accum=2, eval_every=5)
+    raw["lora"] = {"method": "lora", "rank": 8, "alpha": 16, "targets": "all-linear"}
+    return raw
+
+
+def test_train_lora_then_export(tiny_run, tmp_path, capsys):  # noqa: F811
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import slipstream
+
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    config = write_yaml(tmp_path / "run.yaml", lora_config(tiny_run, tmp_path / "ignored"))
+    assert cli.main(["train", str(config), f"output_dir={out}", "lora.rank=4"]) == 0
+    assert "completed at step 10" in capsys.readouterr().out
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 1.0
+    assert summary["trainable_params"] < summary["total_params"] / 5  # LoRA only
+    adapter_cfg = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 4  # the override reached the adapter
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 5, 10]
+
+    # The adapter loads in peft on the transformers model and gives our model's logits.
+    model_dir = tiny_run[0]
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])
+    ours = slipstream.load_model(model_dir)
+    slipstream.load_adapter(ours, out)
+    ours_logits = ours(ids[0], slipstream.SeqInfo.from_lengths([ids.shape[1]]))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_logits = PeftModel.from_pretrained(hf, out).eval()(ids).logits[0]
+    torch.testing.assert_close(ours_logits, peft_logits, atol=1e-4, rtol=1e-4)
+    base_logits = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits[0]
+    assert (base_logits - peft_logits).abs().max() > 1e-2  # the adapter changed something
+
+    # Merged export loads in plain transformers with the same logits.
+    assert cli.main(["export", str(out), "--base", str(model_dir), "--out", str(merged)]) == 0
+    merged_logits = AutoModelForCausalLM.from_pretrained(merged)(ids).logits[0]
+    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-4, rtol=1e-4)
+    assert (merged / "tokenizer.json").is_file()
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("slipstream: error: ")
+    assert "Traceback" not in err
+    return err
+
+
+def test_unknown_key_exits_2_with_suggestion(tiny_run, tmp_path, capsys):  # noqa: F811
+    config = write_yaml(tmp_path / "run.yaml", lora_config(tiny_run, tmp_path / "out"))
+    assert cli.main(["train", str(config), "train.learning_rate=1e-4"]) == 2
+    err = error_line(capsys)
+    assert "train.learning_rate" in err and "did you mean 'train.lr'" in err
+    assert not (tmp_path / "out").exists()  # rejected before any work
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("train.lr=-1", "train.lr"), ("lora.rank=0", "lora.rank"),
+     ("train.tokens_per_batch=0", "train.tokens_per_batch")],
+)  # fmt: skip
+def test_bad_value_exits_2_naming_key(tiny_run, tmp_path, capsys, override, key):  # noqa: F811
+    config = write_yaml(tmp_path / "run.yaml", lora_config(tiny_run, tmp_path / "out"))
+    assert cli.main(["train", str(config), override]) == 2
+    assert f"config: {key}:" in error_line(capsys)
+
+
+def test_unwritable_output_dir_exits_2(tiny_run, tmp_path, capsys):  # noqa: F811
+    (tmp_path / "a_file").write_text("not a folder")
+    config = write_yaml(tmp_path / "run.yaml", lora_config(tiny_run, tmp_path / "a_file" / "run"))
+    assert cli.main(["train", str(config)]) == 2
+    assert "output_dir" in error_line(capsys)
+
+
+def test_missing_files_exit_2(tiny_run, tmp_path, capsys):  # noqa: F811
+    assert cli.main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in error_line(capsys)
+    raw = lora_config(tiny_run, tmp_path / "out")
+    raw["data"]["train"] = str(tmp_path / "missing.jsonl")
+    config = write_yaml(tmp_path / "run.yaml", raw)
+    assert cli.main(["train", str(config)]) == 2
+    assert "missing.jsonl" in error_line(capsys)
+    assert cli.main(["export", str(tmp_path), "--base", "x", "--out", str(tmp_path / "m")]) == 2
+    assert "adapter_config.json" in error_line(capsys)
+
+
+def test_bad_data_row_exits_2_naming_the_line(tiny_run, tmp_path, capsys):  # noqa: F811
+    data = tmp_path / "broken.jsonl"
+    data.write_text(tiny_run[1].read_text() + "{not json\n")
+    raw = lora_config(tiny_run, tmp_path / "out")
+    raw["data"]["train"] = str(data)
+    assert cli.main(["train", str(write_yaml(tmp_path / "run.yaml", raw))]) == 2
+    err = error_line(capsys)
+    assert "broken.jsonl" in err and "49" in err  # the bad line's number
+
+
+def test_module_entry_point_exit_status(tmp_path):
+    """`python -m slipstream`: exit 2, one stderr line, no traceback, in a real process."""
+    config = write_yaml(tmp_path / "run.yaml", {"model": {"path": "m"}, "lora": {"rnak": 4}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "train", str(config)],
+        capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "slipstream: error: config: unknown key 'lora.rnak' (did you mean 'lora.rank'?)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2  # argparse: a command is required
