@@ -1,0 +1,293 @@
+"""LoRA on stacked MoE experts, saved in the layout PEFT uses for `target_parameters`.
+
+`apply_expert_lora(model)` swaps each MoE block's `experts` for a `LoRAExperts` that keeps the
+original as `.base_layer` and holds, per targeted parameter (`gate_up_proj`, `down_proj`),
+stacked factors A (E, r, in) and B (E, out, r). Forward adds scale * B_e A_e x to every routed
+row with two more grouped GEMMs over the same routing offsets, so each expert's factors see
+exactly that expert's rows: every expert that received tokens gets a gradient, an expert that
+received none gets exactly zero, and nothing loops over experts or syncs the host.
+
+PEFT layout (peft 0.21 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])`, `lora.ParamWrapper`), read from its source:
+- one wrapper per parameter, nested in the module's registration order (gate_up_proj
+  innermost), so the i-th of n targeted parameters is saved under
+  `base_model.model.<experts path>` + `.base_layer` * (n-1-i) + `.lora_A.weight` / `.lora_B.weight`;
+- `lora_A.weight` is (E*r, in) with rows expert-major (row e*r + j is A[e, j]);
+  `lora_B.weight` is (out, r*E) with columns rank-major (column j*E + e is B[e, :, j]);
+- `in` is the side the token rows multiply, for (E, out, in) experts (Qwen3-MoE,
+  `is_transposed = False`) and (E, in, out) experts (GPT-OSS, `is_transposed = True`) alike;
+  PEFT adds scale * B_e A_e (transposed for the latter) to the weight.
+PEFT supports no dropout on parameters, and neither does this module.
+
+Shapes: R routed rows, E experts, r rank, I/O in/out features of one expert projection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from slipstream.models.moe_block import MoEBlock, moe_blocks
+from slipstream.ops.moe import RoutingPlan, grouped_mm
+from slipstream.peft import lora
+
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+_PEFT_PREFIX = "base_model.model."
+_EXPERT_KEY = re.compile(r"\.experts(\.base_layer)*\.lora_[AB]\.weight$")
+
+
+class LoRAExperts(nn.Module):
+    """Frozen stacked experts plus trainable stacked low-rank updates on some of their weights."""
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        targets: Iterable[str],
+        rank: int,
+        alpha: float,
+        use_rslora: bool = False,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.targets = tuple(t for t in EXPERT_TARGETS if t in set(targets))
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        for name in self.targets:
+            w = getattr(base_layer, name)
+            E, (in_f, out_f) = w.shape[0], self.in_out(name)
+            kw = {"device": w.device, "dtype": w.dtype}
+            self.lora_A[name] = nn.Parameter(torch.empty(E, rank, in_f, **kw))
+            self.lora_B[name] = nn.Parameter(torch.zeros(E, out_f, rank, **kw))
+            # As PEFT (nn.Linear's default init per expert): uniform(+-1/sqrt(in)); B zero.
+            bound = 1 / math.sqrt(in_f)
+            nn.init.uniform_(self.lora_A[name], -bound, bound)
+
+    def in_out(self, name: str) -> tuple[int, int]:
+        _, a, b = getattr(self.base_layer, name).shape
+        return (a, b) if self.base_layer.is_transposed else (b, a)
+
+    def delta(self, name: str, x_RI: torch.Tensor, plan: RoutingPlan) -> torch.Tensor | float:
+        """scale * B_e A_e x for each routed row (0 when `name` has no LoRA)."""
+        if name not in self.lora_A:
+            return 0.0
+        A_EIr = self.lora_A[name].transpose(1, 2)
+        B_ErO = self.lora_B[name].transpose(1, 2)
+        h_Rr = grouped_mm(x_RI.to(A_EIr.dtype), A_EIr, plan.offsets_E)
+        return grouped_mm(h_Rr, B_ErO, plan.offsets_E) * self.scaling
+
+    def forward(self, x_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        base = self.base_layer
+        h_RF = base.gate_up(x_RD, plan) + self.delta("gate_up_proj", x_RD, plan)
+        a_RI = base.activate(h_RF)
+        return base.down(a_RI, plan) + self.delta("down_proj", a_RI, plan)
+
+    def merged_weight(self, name: str) -> torch.Tensor:
+        """The base parameter plus scale * B_e A_e (in its storage orientation), in float32
+        arithmetic, returned in the base dtype."""
+        w = getattr(self.base_layer, name)
+        delta_EOI = torch.bmm(self.lora_B[name].float(), self.lora_A[name].float())
+        if self.base_layer.is_transposed:
+            delta_EOI = delta_EOI.transpose(1, 2)
+        return (w.float() + self.scaling * delta_EOI).to(w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"targets={self.targets}, rank={self.rank}, alpha={self.alpha}"
+
+
+def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
+    """Module path -> LoRAExperts, in model order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts)}
+
+
+def apply_expert_lora(
+    model: nn.Module,
+    rank: int = 16,
+    alpha: float = 32,
+    targets: Iterable[str] = EXPERT_TARGETS,
+    use_rslora: bool = False,
+) -> nn.Module:
+    """Add stacked LoRA to every MoE block's experts and freeze everything but LoRA.
+
+    Call after `apply_lora` (same rank/alpha: PEFT has one per adapter) or alone. Records
+    `target_parameters` in `model.lora_config` for `save_adapter`.
+    """
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    bad = sorted(set(targets) - set(EXPERT_TARGETS)) or ([] if targets else ["(none)"])
+    if bad:
+        raise ValueError(f"expert lora targets {bad} are not supported; use {EXPERT_TARGETS}")
+    blocks: list[MoEBlock] = moe_blocks(model)
+    if not blocks:
+        raise ValueError("apply_expert_lora: the model has no MoE layers (qwen3_moe, gpt_oss)")
+    if expert_lora_modules(model):
+        raise ValueError("expert LoRA is already applied to this model; apply it once")
+    cfg = getattr(model, "lora_config", None)
+    if cfg is None:
+        if not (isinstance(rank, int) and rank > 0) or not alpha > 0:
+            raise ValueError(
+                f"lora rank must be a positive integer and alpha > 0, got "
+                f"rank={rank!r}, alpha={alpha!r}"
+            )
+        model.requires_grad_(False)
+        cfg = {
+            "r": rank,
+            "lora_alpha": alpha,
+            "lora_dropout": 0.0,
+            "target_modules": [],
+            "use_rslora": use_rslora,
+        }
+    elif (cfg["r"], cfg["lora_alpha"], cfg["use_rslora"]) != (rank, alpha, use_rslora):
+        raise ValueError(
+            f"expert LoRA rank={rank}, alpha={alpha}, use_rslora={use_rslora} differ from the "
+            f"model's LoRA (r={cfg['r']}, lora_alpha={cfg['lora_alpha']}); PEFT needs one of each"
+        )
+    elif cfg.get("lora_dropout"):
+        raise ValueError("LoRA on experts needs lora_dropout=0 (PEFT has no expert dropout)")
+    for block in blocks:
+        block.experts = LoRAExperts(block.experts, targets, rank, alpha, use_rslora)
+    for module in expert_lora_modules(model).values():
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
+    cfg["target_parameters"] = [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in targets]
+    model.lora_config = cfg
+    return model
+
+
+def _peft_keys(path: str, module: LoRAExperts) -> dict[str, tuple[str, str]]:
+    """PEFT key -> (target, "A"|"B") for one experts module."""
+    keys = {}
+    n = len(module.targets)
+    for i, name in enumerate(module.targets):
+        stem = f"{_PEFT_PREFIX}{path}" + ".base_layer" * (n - 1 - i)
+        keys[f"{stem}.lora_A.weight"] = (name, "A")
+        keys[f"{stem}.lora_B.weight"] = (name, "B")
+    return keys
+
+
+def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> tensor in PEFT's layout, for every expert LoRA factor in the model."""
+    out = {}
+    for path, module in expert_lora_modules(model).items():
+        for key, (name, part) in _peft_keys(path, module).items():
+            if part == "A":  # (E, r, in) -> (E*r, in)
+                t = module.lora_A[name].detach().flatten(0, 1)
+            else:  # (E, out, r) -> (out, r, E) -> (out, r*E)
+                t = module.lora_B[name].detach().permute(1, 2, 0).flatten(1)
+            out[key] = t.contiguous().cpu()
+    return out
+
+
+def load_expert_lora_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source) -> None:
+    """Copy PEFT-layout expert factors into the model's LoRAExperts; one-line errors."""
+    expected = {}
+    for path, module in expert_lora_modules(model).items():
+        for key, target in _peft_keys(path, module).items():
+            expected[key] = (module, *target)
+    for key in tensors:
+        if key not in expected:
+            raise ValueError(f"{source}: tensor {key} matches no expert LoRA in the model")
+    with torch.no_grad():
+        for key, (module, name, part) in expected.items():
+            if key not in tensors:
+                raise ValueError(f"{source}: missing tensor {key}")
+            param = module.lora_A[name] if part == "A" else module.lora_B[name]
+            E, rows, cols = param.shape
+            shape = (E * rows, cols) if part == "A" else (rows, cols * E)
+            t = tensors[key]
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{source}: tensor {key} has shape {tuple(t.shape)}, the model expects {shape}"
+                )
+            if part == "A":
+                param.copy_(t.view(E, rows, cols))
+            else:  # (out, r*E) -> (out, r, E) -> (E, out, r)
+                param.copy_(t.view(rows, cols, E).permute(2, 0, 1))
+
+
+def merge_expert_lora(model: nn.Module) -> nn.Module:
+    """Fold every expert LoRA into its stacked weights and put the plain experts back."""
+    for path, module in list(expert_lora_modules(model).items()):
+        base = module.base_layer
+        with torch.no_grad():
+            for name in module.targets:
+                getattr(base, name).copy_(module.merged_weight(name))
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, base)
+    if getattr(model, "lora_config", None) is not None:
+        model.lora_config.pop("target_parameters", None)
+        if not lora.lora_modules(model):
+            model.lora_config = None
+    return model
+
+
+# ------------------------------------------------------ adapters with expert LoRA
+
+
+def _atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_adapter(
+    model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
+) -> Path:
+    """`lora.save_adapter`, plus the expert factors and `target_parameters` (PEFT layout)."""
+    out = lora.save_adapter(model, dir, base_model_name_or_path)
+    experts = expert_lora_tensors(model)
+    if not experts:
+        return out
+    tensors = {**load_file(out / lora.ADAPTER_WEIGHTS), **experts}
+    _atomic(out / lora.ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    config = json.loads((out / lora.ADAPTER_CONFIG).read_text())
+    config["target_parameters"] = model.lora_config["target_parameters"]
+    text = json.dumps(config, indent=2) + "\n"
+    _atomic(out / lora.ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
+    return out
+
+
+def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
+    """`lora.load_adapter` for adapters that may also carry `target_parameters` on experts."""
+    src = Path(dir)
+    config_path = src / lora.ADAPTER_CONFIG
+    cfg = lora._read_adapter_config(config_path)
+    params = cfg.get("target_parameters") or []
+    if not params:
+        return lora.load_adapter(model, src)
+    targets = [p.rpartition(".")[2] for p in params]
+    if any(not p.endswith(f"mlp.experts.{t}") for p, t in zip(params, targets, strict=True)):
+        raise ValueError(
+            f"{config_path}: target_parameters {params} are not supported; "
+            f"use mlp.experts.{{{','.join(EXPERT_TARGETS)}}}"
+        )
+    weights_path = src / lora.ADAPTER_WEIGHTS
+    if not weights_path.is_file():
+        raise ValueError(f"{weights_path} not found: the adapter has no weights")
+    tensors = load_file(weights_path)
+    expert_keys = {k: v for k, v in tensors.items() if _EXPERT_KEY.search(k)}
+    if cfg.get("target_modules"):  # the linear part goes through lora.load_adapter as is
+        with tempfile.TemporaryDirectory() as tmp:
+            linear_cfg = {k: v for k, v in cfg.items() if k != "target_parameters"}
+            Path(tmp, lora.ADAPTER_CONFIG).write_text(json.dumps(linear_cfg))
+            rest = {k: v for k, v in tensors.items() if k not in expert_keys}
+            save_file(rest, str(Path(tmp, lora.ADAPTER_WEIGHTS)))
+            lora.load_adapter(model, tmp)
+    if not expert_lora_modules(model):
+        rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
+        apply_expert_lora(model, rank, alpha, targets, bool(cfg.get("use_rslora", False)))
+    load_expert_lora_tensors(model, expert_keys, weights_path)
+    return model

@@ -1,0 +1,150 @@
+"""LoRA on stacked experts: PEFT `target_parameters` round trip (logits and gradients equal
+PEFT's on the transformers model), our own load, merge, and per-expert gradient coverage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.moe_models import make_hf_moe_model
+
+import slipstream
+from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
+from slipstream.ops.packing import SeqInfo
+from slipstream.peft import lora
+from slipstream.peft.lora_experts import (
+    LoRAExperts,
+    apply_expert_lora,
+    expert_lora_modules,
+    expert_lora_tensors,
+    load_adapter,
+    merge_expert_lora,
+    save_adapter,
+)
+
+FAMILIES = ["qwen3_moe", "gpt_oss"]
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _shifted(ids_T: torch.Tensor) -> torch.Tensor:
+    labels = torch.full_like(ids_T, -100)
+    labels[:-1] = ids_T[1:]
+    return labels
+
+
+def _randomise_lora(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_hf_moe_model(request.param, seed=3).save_pretrained(path)
+    return request.param, path
+
+
+def _with_lora(path, linear: bool, rank: int = 4):
+    model = slipstream.load_model(path)
+    if linear:
+        lora.apply_lora(model, rank=rank, alpha=2 * rank, targets=["q_proj", "v_proj"])
+    apply_expert_lora(model, rank=rank, alpha=2 * rank)
+    _randomise_lora(model, seed=4)
+    return model
+
+
+@pytest.mark.parametrize("linear", [True, False], ids=["attn+experts", "experts-only"])
+def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, linear):
+    import peft
+
+    family, path = checkpoint
+    ours = _with_lora(path, linear)
+    save_adapter(ours, tmp_path)
+    hf = make_hf_moe_model(family, seed=3)
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path, is_trainable=True)
+    ids = _ids(12, 5)
+    ref = pm(input_ids=ids[None], labels=ids[None])
+    loss = ours.loss(ids, _shifted(ids), SeqInfo.from_lengths([12]))
+    with torch.no_grad():
+        logits = ours(ids, SeqInfo.from_lengths([12]))
+    torch.testing.assert_close(logits, ref.logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-5)
+    # gradients: ours written in PEFT's layout (by loading the grads as the factors)
+    ref.loss.backward()
+    loss.backward()
+    peft_grads = {
+        n.replace(".default", ""): p.grad for n, p in pm.named_parameters() if "lora_" in n
+    }
+    with torch.no_grad():
+        for m in expert_lora_modules(ours).values():
+            for p in [*m.lora_A.values(), *m.lora_B.values()]:
+                p.copy_(p.grad)
+    ours_grads = expert_lora_tensors(ours)
+    assert ours_grads and set(ours_grads) <= set(peft_grads)
+    for key, g in ours_grads.items():
+        torch.testing.assert_close(g, peft_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_own_load_and_merge_give_the_same_logits(checkpoint, tmp_path):
+    _, path = checkpoint
+    ours = _with_lora(path, linear=True)
+    save_adapter(ours, tmp_path)
+    ids, seq = _ids(10, 6), SeqInfo.from_lengths([6, 4])
+    with torch.no_grad():
+        ref = ours(ids, seq)
+        again = load_adapter(slipstream.load_model(path), tmp_path)
+        torch.testing.assert_close(again(ids, seq), ref, atol=1e-6, rtol=1e-6)
+        base = slipstream.load_model(path)(ids, seq)
+        assert (base - ref).abs().max() > 1e-3  # the adapter does change the outputs
+        merged = lora.merge_lora(merge_expert_lora(again))
+        assert not expert_lora_modules(merged) and merged.lora_config is None
+        torch.testing.assert_close(merged(ids, seq), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [3, 4], ids=["tiled-gemm", "grouped-gemm"])
+@pytest.mark.parametrize("random_b", [False, True], ids=["init", "trained"])
+def test_every_expert_with_tokens_gets_grad_and_only_those(checkpoint, rank, random_b):
+    _, path = checkpoint
+    model = slipstream.load_model(path)
+    apply_expert_lora(model, rank=rank, alpha=8)
+    if random_b:
+        _randomise_lora(model, seed=7)
+    set_router_aux_loss_coef(model, 1.0)  # keeps each block's per-expert row counts
+    ids = _ids(3, 8)  # 3 tokens x top-2 of 8 experts: some experts get no rows
+    labels = _ids(3, 9)  # every position labelled, so every routed row carries a gradient
+    model.loss(ids, labels, SeqInfo.from_lengths([3])).backward()
+    seen_idle = False
+    for block in moe_blocks(model):
+        got_rows = block.router_stats.counts_E > 0
+        seen_idle |= bool((~got_rows).any())
+        experts = block.experts
+        assert isinstance(experts, LoRAExperts)
+        for name in experts.targets:
+            grad_B = experts.lora_B[name].grad.abs().sum(dim=(1, 2))
+            grad_A = experts.lora_A[name].grad.abs().sum(dim=(1, 2))
+            assert torch.equal(grad_B > 0, got_rows), name
+            # with B = 0 (PEFT's init) dL/dA = 0 everywhere; once B moves, A follows B
+            assert torch.equal(grad_A > 0, got_rows if random_b else torch.zeros_like(got_rows))
+    assert seen_idle, "the test needs an expert with no rows"
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert not frozen
+
+
+def test_user_errors(checkpoint):
+    _, path = checkpoint
+    model = slipstream.load_model(path)
+    with pytest.raises(ValueError, match="not supported"):
+        apply_expert_lora(model, targets=["up_proj"])
+    lora.apply_lora(model, rank=4, alpha=8, targets=["q_proj"])
+    with pytest.raises(ValueError, match="PEFT needs one of each"):
+        apply_expert_lora(model, rank=8, alpha=8)
+    dense = slipstream.load_model(path)
+    for block in moe_blocks(dense):
+        block.__class__ = torch.nn.Module  # a model without MoE blocks
+    with pytest.raises(ValueError, match="no MoE layers"):
+        apply_expert_lora(dense)
