@@ -130,7 +130,17 @@ def test_module_entry_point_exit_status(tmp_path):
     assert proc.stderr.strip() == (
         "slipstream: error: config: unknown key 'lora.rnak' (did you mean 'lora.rank'?)"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream"], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2  # argparse: a command is required
+    with pytest.raises(SystemExit) as e:  # argparse: a command is required
+        cli.main([])
+    assert e.value.code == 2
+
+
+def test_demo_and_bench_dispatch(monkeypatch, capsys):
+    import slipstream.demo
+
+    seen = {}
+    monkeypatch.setattr(slipstream.demo, "run_demo", lambda args: seen.setdefault("args", args))
+    assert cli.main(["demo", "--output-dir", "somewhere"]) == 0
+    assert seen["args"].output_dir == "somewhere"
+    assert cli.main(["bench", "no_such_benchmark"]) == 2
+    assert "no_such_benchmark" in error_line(capsys)

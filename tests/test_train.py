@@ -222,3 +222,18 @@ def test_no_host_sync_in_the_micro_batch_loop(tiny_run, tmp_path):
         loss_sum = accumulate_gradients(model, window)
     assert syncs.total == 0, str(syncs)
     assert loss_sum.requires_grad is False and loss_sum.ndim == 0
+
+
+def test_activation_checkpointing_keeps_the_losses(tiny_run, tmp_path):
+    """`auto` (recompute on CPU) is wired in and changes nothing but memory."""
+    curves = []
+    for mode in ("none", "auto"):
+        raw = lora_with_dropout(run_config(tiny_run, tmp_path / mode, steps=3, lr=2e-2))
+        raw["train"]["activation_checkpointing"] = mode
+        train(config_from_dict(raw))
+        curves.append(losses(tmp_path / mode))
+    assert curves[0].keys() == curves[1].keys() == {1, 2, 3}
+    for step in curves[0]:
+        assert abs(curves[0][step] - curves[1][step]) < 1e-5
+    model = build_model(config_from_dict(raw), torch.device("cpu"))
+    assert all(hasattr(layer, "_slipstream_plan") for layer in model.model.layers)

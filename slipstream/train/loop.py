@@ -275,12 +275,14 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """Load weights, then LoRA (or full training), then activation checkpointing."""
+    """Load weights (NF4 for QLoRA), then LoRA or full training, then checkpointing."""
     from slipstream.checkpoint.hf import load_model
 
-    if cfg.model.quantization == "nf4":
-        raise ValueError("model.quantization=nf4 is not available in this build; use none")
-    model = load_model(cfg.model.path, dtype=resolve_dtype(cfg.model.dtype, device), device=device)
+    quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
+    if quantize and cfg.lora.method == "full":
+        raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
     if cfg.lora.method == "lora":
         from slipstream.peft.lora import apply_lora
 
@@ -292,15 +294,12 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     else:
         model.requires_grad_(True)
     mode = cfg.train.activation_checkpointing
-    if mode == "auto":
+    if mode == "auto":  # offload pays on a GPU; on CPU there is no device memory to save
         mode = "offload" if device.type == "cuda" else "recompute"
     if mode != "none":
-        try:
-            from slipstream.memory.offload import apply_checkpointing
-        except ImportError:
-            apply_checkpointing = None  # not built yet: train without it
-        if apply_checkpointing is not None:
-            apply_checkpointing(model, mode)
+        from slipstream.memory.offload import apply_checkpointing
+
+        apply_checkpointing(model, mode)
     return model
 
 
