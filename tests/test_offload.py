@@ -93,6 +93,37 @@ def test_full_finetune_bitwise_identical(request, family):
         _assert_identical(_step(model), reference)
 
 
+@pytest.mark.parametrize("aux_loss_coef", [0.0, 0.01])
+def test_moe_bitwise_identical(tmp_path, aux_loss_coef):
+    """Qwen3-MoE: routed experts offload like dense layers; with the auxiliary loss on, its
+    layers fall back to recompute so the router's aux gradient is kept."""
+    from helpers.moe_models import make_hf_moe_model
+
+    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+
+    make_hf_moe_model("qwen3_moe", num_hidden_layers=4).save_pretrained(tmp_path)
+
+    def run(mode, **kwargs):
+        model = _model(tmp_path)
+        set_router_aux_loss_coef(model, aux_loss_coef)
+        pool = apply_checkpointing(model, mode, **kwargs)
+        ids, labels, seq = _batch()
+        loss = model.loss(ids, labels, seq)
+        aux = moe_aux_loss(model)
+        (loss if aux is None else loss + aux_loss_coef * aux).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return (loss.detach(), grads), pool
+
+    reference, _ = run("none")
+    assert all(g is not None for g in reference[1].values())
+    for name, kwargs in MODES.values():
+        result, pool = run(name, **kwargs)
+        _assert_identical(result, reference)
+        if pool is not None:
+            offloaded = pool.stats().bytes_offloaded
+            assert offloaded == (0 if aux_loss_coef else 3 * 23 * 32 * 4)
+
+
 def _lora_available() -> bool:
     try:
         import slipstream.peft.lora  # noqa: F401

@@ -437,7 +437,7 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tenso
     base = self._slipstream_base.forward
     if not torch.is_grad_enabled():  # eval / generation: nothing to save
         return base(self, x_TD, seq, cos_sin)
-    if plan.mode == "recompute":
+    if plan.mode == "recompute" or _has_side_outputs(self):
         return checkpoint(
             base, self, x_TD, seq, cos_sin, use_reentrant=False,
             preserve_rng_state=plan.preserve_rng_state,
@@ -448,6 +448,15 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tenso
     if isinstance(cos_sin, tuple | list) and any(getattr(t, "requires_grad", 0) for t in cos_sin):
         raise ValueError("cos_sin requires grad; activation offload passes it through untracked")
     return _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
+
+
+def _has_side_outputs(layer: nn.Module) -> bool:
+    """An MoE block with an auxiliary loss stores router stats that need the forward's graph;
+    a graph-free forward would drop that gradient, so such layers recompute instead."""
+    if not any(getattr(m, "aux_loss_coef", 0.0) > 0 for m in layer.modules()):
+        return False
+    _log_once("activation offload: MoE layers with router_aux_loss_coef > 0 recompute instead")
+    return True
 
 
 _CLASSES: dict[type, type] = {}
