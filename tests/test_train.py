@@ -6,6 +6,7 @@ saves a checkpoint and stops cleanly; no host sync inside the micro-batch loop.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -156,6 +157,10 @@ def test_resume_gives_the_same_losses(tiny_run, tmp_path):
     shutil.rmtree(split / "checkpoints" / "step-000004")  # as if killed before that save
     summary = train(config_from_dict({**resumed, "resume": True}))
     assert summary["status"] == "completed" and summary["steps"] == 6
+    done = json.loads((straight / "summary.json").read_text())
+    assert summary["tokens_trained"] == done["tokens_trained"]
+    assert summary["eval_loss_before"] == done["eval_loss_before"]
+    assert abs(summary["eval_loss_after"] - done["eval_loss_after"]) < 1e-6
     a, b = losses(straight), losses(split)
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
@@ -237,3 +242,28 @@ def test_activation_checkpointing_keeps_the_losses(tiny_run, tmp_path):
         assert abs(curves[0][step] - curves[1][step]) < 1e-5
     model = build_model(config_from_dict(raw), torch.device("cpu"))
     assert all(hasattr(layer, "_slipstream_plan") for layer in model.model.layers)
+
+
+def test_schedule_and_optimizer_groups():
+    from slipstream.train.optim import build_optimizer, build_schedule
+
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    norm = torch.nn.Parameter(torch.ones(4))
+    frozen = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    named = [("w", w), ("norm", norm), ("frozen", frozen)]
+    opt = build_optimizer(named, lr=1.0, weight_decay=0.1, device=torch.device("cpu"))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]  # frozen left out
+    for name, last in [("linear", 1 - 7 / 8), ("cosine", 0.5 * (1 + math.cos(math.pi * 7 / 8)))]:
+        opt = build_optimizer(named, lr=1.0, weight_decay=0.0, device=torch.device("cpu"))
+        sched = build_schedule(opt, schedule=name, warmup_steps=2, total_steps=10)
+        lrs = []
+        for _ in range(10):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert lrs[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])  # warmup, then the peak
+        assert lrs[-1] == pytest.approx(last)
+        assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # decays monotonically
+    with pytest.raises(ValueError, match="nothing to train"):
+        build_optimizer([("frozen", frozen)], lr=1.0, weight_decay=0.0, device=torch.device("cpu"))

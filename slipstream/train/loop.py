@@ -82,16 +82,16 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     scheduler = build_schedule(
         optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
     )
-    start_step = 0
+    start_step, tokens_total, eval_before = 0, 0, None
     checkpoint = find_resume_checkpoint(cfg.resume, out)
     if checkpoint is not None:
-        start_step = load_checkpoint(
-            checkpoint, model=model, optimizer=optimizer, scheduler=scheduler
-        )["step"]
+        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+        start_step = state["step"]
+        tokens_total = state["extra"].get("tokens", 0)
+        eval_before = state["extra"].get("eval_loss_before")
         print(f"slipstream: resuming from {checkpoint} (step {start_step})", file=sys.stderr)
 
     log = MetricsLog(out, total_steps=total_steps, start_step=start_step)
-    eval_before = None
     if start_step == 0 and data.eval:
         eval_before = evaluate(model, data.eval, data.eval_batches, device)
         log.log({"step": 0, "eval_loss": eval_before, "eval_ppl": perplexity(eval_before)})
@@ -102,7 +102,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     flops_tok = flops_per_token(sum(p.numel() for p in model.parameters()), full)
     clip = t.clip if t.clip is not None else math.inf
     loss_sum = torch.zeros((), device=device)
-    interval_labels = interval_tokens = tokens_total = 0
+    interval_labels = interval_tokens = 0
     last_time, run_start = time.perf_counter(), time.perf_counter()
     status, step, last_loss = "completed", start_step, None
     model.train()
@@ -149,12 +149,19 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             if t.eval_every and step % t.eval_every == 0 and step < total_steps and data.eval:
                 loss = evaluate(model, data.eval, data.eval_batches, device)
                 log.log({"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss)})
+                last_time = time.perf_counter()  # keep eval time out of tokens/s
             saving = t.save_every and step % t.save_every == 0 and step < total_steps
             if saving or stop.requested:
+                extra = {
+                    "config": cfg.model_dump(mode="json"),
+                    "tokens": tokens_total + interval_tokens,
+                    "eval_loss_before": eval_before,
+                }
                 save_checkpoint(
                     out, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
-                    extra={"config": cfg.model_dump(mode="json")}, keep=t.keep_checkpoints,
+                    extra=extra, keep=t.keep_checkpoints,
                 )  # fmt: skip
+                last_time = time.perf_counter()  # keep save time out of tokens/s
             if stop.requested:
                 status = "interrupted"
                 print(
@@ -260,7 +267,9 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     examples, report = tokenize_rows(train_rows, tokenizer, **options)
     if not examples:
         raise ValueError(f"data.train: no usable examples in '{d.train}' ({report.summary()})")
-    eval_examples = tokenize_rows(eval_rows, tokenizer, **options)[0] if eval_rows else []
+    eval_examples = []
+    if eval_rows is not None:
+        eval_examples, _ = tokenize_rows(eval_rows, tokenizer, **options)
     lengths = [len(ex.input_ids) for ex in examples]
     train_batches = pack_examples(lengths, t.tokens_per_batch)
     eval_lengths = [len(ex.input_ids) for ex in eval_examples]

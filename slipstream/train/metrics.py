@@ -12,7 +12,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -121,20 +120,6 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 50 else float("inf")
-
-
-class Throughput:
-    """Tokens per second between log steps (host clock; read after the loss sync)."""
-
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-        self.tokens = 0
-
-    def lap(self, tokens: int) -> float:
-        now = time.perf_counter()
-        rate = tokens / max(now - self.last, 1e-9)
-        self.last = now
-        return rate
 
 
 def _fmt(v: Any) -> str:
