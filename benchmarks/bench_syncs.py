@@ -26,20 +26,25 @@ COLUMNS = ["model_type", "kind", "features", "fwd+bwd syncs", "optimizer syncs",
 EXTRA = {"mistral": {"sliding_window": None}}
 
 
-def apply_features(model: torch.nn.Module) -> list[str]:
-    """LoRA then checkpointing/offload, each if its module exists; names of what was applied."""
+def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:
+    """LoRA (all linear layers, plus the experts of MoE blocks), then checkpointing/offload,
+    each if its module exists; returns the names of what was applied."""
     features = []
     apply_lora = common.optional("slipstream.peft.lora", "apply_lora")
+    apply_expert_lora = common.optional("slipstream.peft.lora_experts", "apply_expert_lora")
     if apply_lora is not None:
-        apply_lora(model, rank=8, alpha=16)
+        apply_lora(model, rank=8, alpha=16, targets="all-linear")
         features.append("lora")
+        if moe and apply_expert_lora is not None:
+            apply_expert_lora(model, rank=8, alpha=16)
+            features.append("expert lora")
     else:
         model.requires_grad_(True)
         features.append("full (no lora module)")
     apply_checkpointing = common.optional("slipstream.memory.offload", "apply_checkpointing")
     if apply_checkpointing is not None:
         apply_checkpointing(model, "offload")
-        features.append("offload")
+        features.append("checkpointing (offload mode; on CPU it recomputes)")
     return features
 
 
@@ -49,7 +54,7 @@ def measure(model_type: str, tokens: int) -> dict:
     hf = common.hf_config(model_type, **{**common.TINY, **EXTRA.get(model_type, {})})
     model = common.build_random_model(hf).train()
     moe = any("expert" in name for name, _ in model.named_parameters())
-    features = apply_features(model)
+    features = apply_features(model, moe)
     params = [p for p in model.parameters() if p.requires_grad]
     # device=cuda picks what the trainer runs on a GPU (fused AdamW) without needing one.
     optimizer = build_optimizer(

@@ -58,6 +58,26 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 
+REAL_SHAPES = {  # real shapes, from the published config.json files
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_theta=1e6, max_position_embeddings=40960),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                     rope_theta=1e6, max_position_embeddings=40960),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+                        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, experts_per_token=4, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12,
+                        tie_word_embeddings=False, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                      "rope_theta": 150000.0}),
+}  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- models
 
@@ -189,21 +209,115 @@ def rebuild_attend(q_THD, k_TGD, v_TGD, seq, window=None, sinks=None, scale=None
 
 
 @contextlib.contextmanager
+def swap_function(original: Callable, replacement: Callable) -> Iterator[None]:
+    """Within the block, every loaded slipstream module that holds `original` (by any import
+    style: `from x import f` or the defining module itself) holds `replacement` instead."""
+    patched = [
+        (mod, attr)
+        for name, mod in list(sys.modules.items())
+        if name.startswith("slipstream")
+        for attr, value in list(vars(mod).items())
+        if value is original
+    ]
+    for mod, attr in patched:
+        setattr(mod, attr, replacement)
+    try:
+        yield
+    finally:
+        for mod, attr in patched:
+            setattr(mod, attr, original)
+
+
+@contextlib.contextmanager
 def per_layer_metadata() -> Iterator[type[RebuildStats]]:
     """Within the block, every module of slipstream that calls `attend` calls the baseline."""
-    patched = [
-        mod
-        for name, mod in list(sys.modules.items())
-        if name.startswith("slipstream") and getattr(mod, "attend", None) is _ORIGINAL_ATTEND
-    ]
     RebuildStats.rebuilds = 0
-    for mod in patched:
-        mod.attend = rebuild_attend
-    try:
+    with swap_function(_ORIGINAL_ATTEND, rebuild_attend):
         yield RebuildStats
+
+
+@contextlib.contextmanager
+def per_expert_loop() -> Iterator[None]:
+    """Within the block, MoE blocks loop over experts (`torch.where(ids == e)`: a host sync
+    and one GEMM pair per expert) instead of routing in one pass. Each expert runs through the
+    block's own experts module on a plan that sends all its rows to that expert, so biases and
+    expert LoRA apply exactly as in the one-pass path."""
+    from slipstream.models.moe_block import MoEBlock
+    from slipstream.ops.moe import RoutingPlan, route
+
+    original = MoEBlock.forward
+
+    def loop_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits_TE = self.router_logits(x_TD)
+        weights_TK, ids_TK = route(
+            logits_TE, self.k, kind=self.route_kind, norm_topk_prob=self.norm_topk_prob
+        )
+        E, dev = self.num_experts, x_TD.device
+        y_TD = torch.zeros_like(x_TD)
+        for e in range(E):
+            tok_R, slot_R = torch.where(ids_TK == e)
+            n = tok_R.numel()  # known on the host only because torch.where synced
+            counts_E = torch.zeros(E, dtype=torch.int64, device=dev)
+            counts_E[e] = n
+            expert_R = torch.full((n,), e, dtype=torch.int64, device=dev)
+            one = RoutingPlan(E, self.k, tok_R, tok_R, tok_R, expert_R, counts_E,
+                              counts_E.cumsum(0).to(torch.int32))  # fmt: skip
+            out_RD = self.experts(x_TD.index_select(0, tok_R), one)
+            weighted = out_RD * weights_TK[tok_R, slot_R, None].to(out_RD.dtype)
+            y_TD = y_TD.index_add(0, tok_R, weighted.to(y_TD.dtype))
+        return y_TD
+
+    MoEBlock.forward = loop_forward
+    try:
+        yield
     finally:
-        for mod in patched:
-            mod.attend = _ORIGINAL_ATTEND
+        MoEBlock.forward = original
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def active_params(model: torch.nn.Module, hf: dict[str, Any]) -> int:
+    """Parameters one token's forward multiplies by (N in 6NT): all but the input embedding
+    (counted once when tied, as the head), experts scaled by top-k / num_experts; LoRA
+    adapter weights excluded (LoRA rows use the base model's N)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    top_k = hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 0
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        if name.endswith("embed_tokens.weight") and not hf.get("tie_word_embeddings"):
+            continue
+        share = top_k / experts if experts and ".experts." in name else 1.0
+        total += p.numel() * share
+    return int(total)
+
+
+def attention_flops(lengths: Sequence[int], hf: dict[str, Any]) -> float:
+    """Training FLOPs of the attention scores and weighted sum (not in 6NT): per layer and
+    sequence, forward = 2 matmuls * 2 FLOP * H * Dh * (keys each query sees, causal or
+    windowed), backward = 2x forward."""
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention"] * layers
+    window = hf.get("sliding_window")
+    total = 0.0
+    for kind in types[:layers]:
+        for n in lengths:
+            if kind == "sliding_attention" and window and n > window:
+                keys = window * (window + 1) / 2 + (n - window) * window
+            else:
+                keys = n * (n + 1) / 2
+            total += 3 * 4 * heads * head_dim * keys
+    return total
+
+
+def train_flops(n_active: int, lengths: Sequence[int], hf: dict[str, Any], lora: bool) -> float:
+    """FLOPs of one training step: 4NT with LoRA (no weight gradients), 6NT full, + attention.
+    Recompute (checkpointing) is not counted: MFU measures useful work."""
+    return (4 if lora else 6) * n_active * sum(lengths) + attention_flops(lengths, hf)
 
 
 # ----------------------------------------------------------------------------- timing

@@ -1,0 +1,137 @@
+"""The benchmarks stay runnable: each CPU bench in `--quick` mode and the GPU suite's CPU
+`--dry-run`, run in-process (one torch import for all), with their rows checked.
+
+What could fail and is checked: the per-layer baseline really syncs (2 per layer) while ours
+does not; ours builds its mask once whatever the depth; both attention paths agree; packing
+beats padding; every family trains with 0 syncs; the suite's rows carry the columns the docs
+table needs, its audited ours row reads 0 syncs and its metadata-off row more than 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_metadata  # noqa: E402
+import bench_packing  # noqa: E402
+import bench_syncs  # noqa: E402
+import common  # noqa: E402
+import gpu_suite  # noqa: E402
+
+
+def table_header(text: str, columns: list[str]) -> None:
+    assert "| " + " | ".join(columns) + " |" in text
+
+
+def test_metadata_quick(tmp_path, capsys):
+    rows = bench_metadata.main(["--quick", "--json", str(tmp_path / "m.json")])
+    table_header(capsys.readouterr().out, bench_metadata.COLUMNS)
+    assert [r["layers"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["ours syncs"] == 0
+        assert r["baseline syncs"] == 2 * r["layers"]  # .tolist() and .item() per layer
+        assert r["ours mask builds"] == 1
+        assert r["baseline mask builds"] == r["layers"]
+        assert r["max |diff|"] < 1e-5
+        assert r["ours ms"] > 0 and r["baseline ms"] > 0
+    assert json.loads((tmp_path / "m.json").read_text())["rows"][0]["layers"] == 2
+
+
+def test_packing_quick(capsys):
+    rows = bench_packing.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_packing.COLUMNS)
+    assert sorted({r["budget"] for r in rows}) == [2048, 4096, 8192]
+    for budget in (2048, 4096, 8192):
+        packed, padded, grouped = [r for r in rows if r["budget"] == budget]
+        assert packed["method"].startswith("packed") and padded["method"] == "padded"
+        assert packed["real/computed"] == 1.0
+        assert padded["real/computed"] < 1.0
+        assert packed["real/budget"] > padded["real/budget"]
+        assert packed["steps"] <= grouped["steps"] <= padded["steps"]
+
+
+def test_pad_batches_respects_budget():
+    lengths = [5, 9, 3, 8, 1]
+    batches = bench_packing.pad_batches(lengths, list(range(5)), budget=18)
+    assert batches == [[0, 1], [2, 3], [4]]  # 2*9 fits 18; 3*9 would not
+    assert all(len(b) * max(lengths[i] for i in b) <= 18 for b in batches)
+
+
+def test_syncs_quick(capsys):
+    from slipstream.models import FAMILIES
+
+    rows = bench_syncs.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_syncs.COLUMNS)
+    assert sorted(r["model_type"] for r in rows) == sorted(FAMILIES)
+    for r in rows:
+        assert r.get("fwd+bwd syncs") == 0, r
+        assert r.get("optimizer syncs") == 0, r
+
+
+def test_rebuild_mask_matches_ours():
+    from slipstream.ops.attention import dense_causal_mask
+    from slipstream.ops.packing import SeqInfo
+
+    seq = SeqInfo.from_lengths([3, 5, 2])
+    for window in (None, 2):
+        assert (common.rebuild_mask(seq, window) == dense_causal_mask(seq, window)).all()
+
+
+def test_flops_formula():
+    hf = {"num_attention_heads": 2, "head_dim": 4, "hidden_size": 8, "num_hidden_layers": 1}
+    # one sequence of 3 tokens: 6 query-key pairs, 12 FLOP per pair per (head x dim).
+    assert common.attention_flops([3], hf) == 12 * 2 * 4 * 6
+    assert common.train_flops(100, [3], hf, lora=True) == 4 * 100 * 3 + 12 * 2 * 4 * 6
+    windowed = {**hf, "layer_types": ["sliding_attention"], "sliding_window": 2}
+    assert common.attention_flops([4], windowed) == 12 * 2 * 4 * (1 + 2 + 2 + 2)
+
+
+def check_suite_rows(rows: list[dict], out: str, models: set[str]) -> None:
+    text = out[out.rindex("GPU suite:") :]  # the table is printed last
+    table_header(text, gpu_suite.COLUMNS)
+    assert {r["model"] for r in rows} == models
+    errors = [(r["model"], r["variant"], r["status"]) for r in rows if r["status"] != "ok"]
+    assert not [e for e in errors if not e[2].startswith("skipped")], errors
+    by = {(r["model"], r["variant"]): r for r in rows}
+    on = next(r for r in rows if r["variant"] == "ours, everything on")
+    assert on["syncs/step"] == 0, on.get("sync sites")
+    assert on["tokens/s"] > 0 and on["vs ours"] == 1.0
+    meta_off = by.get(("qwen3-8b", "metadata cache off (per-layer rebuild)"))
+    if meta_off is not None:
+        assert meta_off["syncs/step"] > 0
+    hf = next(r for r in rows if r["variant"] == "transformers + PEFT")
+    assert hf["packing"].startswith(("packed", "padded")) and hf["tokens/s"] > 0
+
+
+def test_gpu_suite_dry_run_dense(tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    rows = gpu_suite.main(["--dry-run", "--only", "qwen3-8b", "--out", str(out)])
+    check_suite_rows(rows, capsys.readouterr().out, {"qwen3-8b"})
+    assert json.loads(out.read_text())["dry_run"] is True
+    variants = {r["variant"] for r in rows}
+    assert {"offload single buffer", "offload off (recompute)"} <= variants
+    assert "regional compile + everything on" in variants
+
+
+@pytest.mark.slow
+def test_gpu_suite_dry_run_all(tmp_path, capsys):
+    from slipstream.models import FAMILIES
+
+    rows = gpu_suite.main(["--dry-run", "--out", str(tmp_path / "suite.json")])
+    models = {"qwen3-0.6b", "qwen3-8b"} | ({"gpt-oss-20b"} if "gpt_oss" in FAMILIES else set())
+    check_suite_rows(rows, capsys.readouterr().out, models)
+    loop = [r for r in rows if r["variant"].startswith("MoE one-pass off")]
+    if "gpt_oss" in FAMILIES:
+        assert loop and loop[0]["syncs/step"] > 0  # torch.where per expert
+
+
+def test_gpu_suite_time_guard_skips(monkeypatch):
+    setup = gpu_suite.Setup("cpu", None, [4], 0, 1, False, deadline=0.0)
+    row = gpu_suite.run_row(gpu_suite.Variant("x", "qwen3-8b"), setup)
+    assert row["status"].startswith("skipped: time guard")
