@@ -70,9 +70,11 @@ def _grouped_mm_supported(x_RD: torch.Tensor, w_EDF: torch.Tensor) -> bool:
         ok_device = x_RD.dtype == torch.bfloat16 and _cuda_grouped_mm_fast(index)
     else:
         ok_device = False
-    # The kernels need 16-byte aligned strides: in forward (D, F) and in backward (F, D).
+    # The kernels need 16-byte aligned strides, in forward (D, F) and in backward (F, D), and
+    # 16-byte aligned data (not guaranteed for memory-mapped safetensors on CPU).
     size = x_RD.element_size()
     aligned = (x_RD.shape[1] * size) % 16 == 0 and (w_EDF.shape[2] * size) % 16 == 0
+    aligned = aligned and x_RD.data_ptr() % 16 == 0 and w_EDF.data_ptr() % 16 == 0
     dense_w = w_EDF.is_contiguous() or w_EDF.transpose(1, 2).is_contiguous()
     return ok_device and aligned and x_RD.is_contiguous() and dense_w
 
