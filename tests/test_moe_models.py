@@ -208,8 +208,9 @@ def test_mxfp4_dequantize_matches_transformers():
     assert ours.shape == (3, 10, 64)
     torch.testing.assert_close(ours.transpose(1, 2), ref, atol=0, rtol=0)
     # by hand: byte 0x21 -> low nibble 1 (0.5), high nibble 2 (1.0); scale 128 -> x2
-    one = gpt_oss.dequantize_mxfp4(torch.full((1, 16), 0x21, dtype=torch.uint8),
-                                   torch.tensor([128], dtype=torch.uint8))
+    one = gpt_oss.dequantize_mxfp4(
+        torch.full((1, 16), 0x21, dtype=torch.uint8), torch.tensor([128], dtype=torch.uint8)
+    )
     assert one[:4].tolist() == [1.0, 2.0, 1.0, 2.0]
 
 
@@ -229,8 +230,10 @@ def test_mxfp4_checkpoint_dequantised_on_load(tmp_path):
         expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     save_file(state, tmp_path / "model.safetensors")
     config = hf.config.to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     ours = slipstream.load_model(tmp_path)
     params = dict(ours.named_parameters())
@@ -242,8 +245,9 @@ def test_mxfp4_checkpoint_dequantised_on_load(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = _ids(8, 11)
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids, SeqInfo.from_lengths([8])), back(ids[None]).logits[0],
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            ours(ids, SeqInfo.from_lengths([8])), back(ids[None]).logits[0], atol=1e-4, rtol=1e-4
+        )
     del state["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="down_proj_scales"):

@@ -54,8 +54,15 @@ from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.ops.packing import SeqInfo
 
 # transformers' GptOssConfig default when a config.json names no RoPE scaling.
-DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 # e2m1: sign bit, 2 exponent bits, 1 mantissa bit; nibble value -> number.
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _MXFP4 = re.compile(r"(.+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
