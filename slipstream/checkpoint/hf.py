@@ -38,8 +38,14 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    quantize: str | None = None,
 ) -> CausalLM:
-    """Load a local HF folder, a `.gguf` file, or a hub repo id into a slipstream model."""
+    """Load a local HF folder, a `.gguf` file, or a hub repo id into a slipstream model.
+
+    quantize="nf4": decoder linear weights become bitsandbytes NF4, quantised one tensor at a
+    time while loading (slipstream.peft.qlora). Pre-quantised bitsandbytes 4-bit checkpoints
+    load in their 4-bit form whatever `quantize` says.
+    """
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = dtype or default_dtype(device)
     path = Path(path_or_repo_id)
@@ -49,10 +55,10 @@ def load_model(
         if not path.is_file():
             raise ValueError(f"GGUF file {path} does not exist.")
         hf, tensors = read_gguf(path)
-        return _load(hf, tensors, dtype, device, str(path))
+        return _load(hf, tensors, dtype, device, str(path), quantize)
     folder = _resolve_folder(path_or_repo_id)
     hf = read_config(folder)
-    return _load(hf, _safetensors_tensors(folder), dtype, device, str(folder))
+    return _load(hf, _safetensors_tensors(folder), dtype, device, str(folder), quantize)
 
 
 def read_config(folder: Path) -> dict:
@@ -102,11 +108,20 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _load(hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: str) -> CausalLM:
+def _load(
+    hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: str, quantize=None
+) -> CausalLM:
+    from slipstream.peft import qlora
+
     family = family_for(hf.get("model_type"), f"{source}/config.json")
     cfg = family.config_from_hf(hf)
+    nf4 = None
+    if qlora.check_quantize(quantize, hf, source) == "nf4":
+        nf4 = qlora.NF4Loader(hf, dtype, source)
     with _default_dtype(dtype), torch.device("meta"):
         model = family.build(cfg)
+    if nf4 is not None:  # before to_empty: target weights are never allocated in full precision
+        nf4.replace_targets(model)
     model.to_empty(device=device)
     model.model.reset_rope()
     params = dict(model.named_parameters())
@@ -114,6 +129,8 @@ def _load(hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: s
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
+            if nf4 is not None and nf4.take(name, tensor):
+                continue
             if custom is not None and custom(model, name, tensor):
                 loaded.add(name)
                 continue
@@ -125,6 +142,8 @@ def _load(hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: s
                 raise ValueError(f"{source}: unexpected tensor {name!r} for {cfg.model_type}.")
             _copy_checked(params[name], tensor, name, source)
             loaded.add(name)
+    if nf4 is not None:
+        loaded.update(nf4.finish())
     missing = [n for n in _expected_names(model, family) if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
