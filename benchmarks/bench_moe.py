@@ -1,6 +1,7 @@
 """MoE block forward+backward on CPU: slipstream vs the per-expert loop vs transformers.
 
-Run: `python benchmarks/bench_moe.py` (under 2 minutes on 2 cores) or `--quick` (seconds).
+Run: `python benchmarks/bench_moe.py [--json out.json]` (about a minute on 2 cores) or
+`--quick` (seconds).
 All implementations share one Qwen3-MoE-shaped block's weights and the same routing, at a
 fixed token count, so what varies with E is the cost of dispatching to E experts. The goal:
 slipstream's time flat in E. Prints a markdown table measured in this one run.
@@ -19,15 +20,23 @@ experts implementation set to eager / grouped_mm.
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 import time
 
+import common
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from slipstream.ops import moe
+
+IMPLS = ("ours", "ours tiled", "loop", "hf eager", "hf grouped_mm")
+COLUMNS = [
+    "E", "k", *(f"{n} ms" for n in IMPLS),
+    "loop/ours", "hf eager/ours", "hf grouped_mm/ours", "max abs diff",
+]  # fmt: skip
+SLOW_S = 0.5  # a call slower than this is timed once: the E=128 loops take seconds each
 
 
 def build_block(E: int, k: int, D: int, I: int, impl: str | None) -> Qwen3MoeSparseMoeBlock:
@@ -42,21 +51,25 @@ def build_block(E: int, k: int, D: int, I: int, impl: str | None) -> Qwen3MoeSpa
     return block
 
 
-def ours(block, x_TD, backend="auto"):
+def ours(block, x_TD, tiled=False):
     ex, k = block.experts, block.gate.top_k
     logits_TE = F.linear(x_TD, block.gate.weight)
-    if backend == "tiled":
-        saved, moe._GROUPED_MM_CPU = moe._GROUPED_MM_CPU, False
+    saved = moe._GROUPED_MM_CPU
+    moe._GROUPED_MM_CPU = saved and not tiled
     try:
-        return moe.moe_forward(x_TD, logits_TE, ex.gate_up_proj, ex.down_proj, k).y_TD
+        norm = block.gate.norm_topk_prob
+        out = moe.moe_forward(
+            x_TD, logits_TE, ex.gate_up_proj, ex.down_proj, k, norm_topk_prob=norm
+        )
+        return out.y_TD
     finally:
-        if backend == "tiled":
-            moe._GROUPED_MM_CPU = saved
+        moe._GROUPED_MM_CPU = saved
 
 
 def loop(block, x_TD):
     ex = block.experts
-    weights_TK, ids_TK = moe.route(F.linear(x_TD, block.gate.weight), block.gate.top_k)
+    logits_TE, norm = F.linear(x_TD, block.gate.weight), block.gate.norm_topk_prob
+    weights_TK, ids_TK = moe.route(logits_TE, block.gate.top_k, norm_topk_prob=norm)
     return moe.moe_loop_reference(x_TD, weights_TK, ids_TK, ex.gate_up_proj, ex.down_proj)
 
 
@@ -64,59 +77,68 @@ def hf(block, x_TD):
     return block(x_TD[None])[0]
 
 
-def time_fwd_bwd(fn, block, x_TD, g_TD, reps: int) -> float:
-    """Median wall time (ms) of forward + backward. The first run is a warm-up, unless it took
-    over half a second: then it is the one sample (the slow loops at E=128 take seconds)."""
-    times = []
-    for _ in range(reps + 1):
-        x = x_TD.detach().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        (fn(block, x) * g_TD).sum().backward()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if times[0] > 500:
-            return times[0]
-    return statistics.median(times[1:])
+def measure(E: int, k: int, T: int, D: int, I: int, reps: int) -> dict:
+    """One row: forward+backward ms of each implementation, calls interleaved so that load
+    drift on shared cores hits every contender alike; the first call of each is a warm-up."""
+    torch.manual_seed(1)
+    x_TD, g_TD = torch.randn(T, D), torch.randn(T, D)
+    fns = {
+        "ours": (ours, None),
+        "ours tiled": (lambda b, x: ours(b, x, tiled=True), None),
+        "loop": (loop, None),
+        "hf eager": (hf, None),
+        "hf grouped_mm": (hf, "grouped_mm"),
+    }
+    blocks = {name: build_block(E, k, D, I, impl) for name, (_, impl) in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    outputs = {}
+    for rep in range(reps + 1):
+        for name, (fn, _) in fns.items():
+            if rep and times[name] and times[name][0] > SLOW_S:
+                continue  # slow: its first call is its one sample
+            x = x_TD.clone().requires_grad_()
+            blocks[name].zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            y_TD = fn(blocks[name], x)
+            (y_TD * g_TD).sum().backward()
+            times[name].append(time.perf_counter() - t0)
+            outputs[name] = y_TD.detach()
+    row = {"E": E, "k": k}
+    for name, t in times.items():
+        samples = t if len(t) == 1 else t[1:]
+        row[f"{name} ms"] = sorted(samples)[len(samples) // 2] * 1e3
+    for name in ("loop", "hf eager", "hf grouped_mm"):
+        row[f"{name}/ours"] = row[f"{name} ms"] / row["ours ms"]
+    row["max abs diff"] = (outputs["ours"] - outputs["hf eager"]).abs().max().item()
+    return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one rep: a smoke run")
     # One thread by default: on a shared 2-core machine, OpenMP barriers between the many small
     # per-expert GEMMs measured the scheduler, not the work (788 ms vs 56 ms for one call).
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    args = ap.parse_args()
+    ap.add_argument("--json", help="also write the rows and run info to this file")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
         T, D, I, experts, topks, reps = 64, 64, 32, (8, 32), (2,), 1
     else:
         T, D, I, experts, topks, reps = 512, 256, 128, (8, 32, 128), (2, 8), 3
-    impls = {
-        "ours": lambda b, x: ours(b, x),
-        "ours tiled": lambda b, x: ours(b, x, "tiled"),
-        "loop": loop,
-        "hf eager": hf,
-        "hf grouped_mm": hf,
-    }
+    info = common.run_info()
+    rows = [measure(E, k, T, D, I, reps) for k in topks for E in experts]
+    command = "python benchmarks/bench_moe.py" + (" --quick" if args.quick else "")
+    print(common.header(info, command))
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, "
-        f"T={T} D={D} I={I}, forward+backward, median of {reps}; "
-        f"torch._grouped_mm on CPU: {moe._GROUPED_MM_CPU}\n"
+        f"\nQwen3-MoE-shaped block, float32, T={T} D={D} I={I}, forward+backward, median of "
+        f"{reps}; torch._grouped_mm on CPU: {moe._GROUPED_MM_CPU}\n"
     )
-    names = list(impls)
-    print("| E | k | " + " | ".join(f"{n} ms" for n in names) + " | loop/ours | hf eager/ours |")
-    print("|---|---|" + "---:|" * (len(names) + 2))
-    for k in topks:
-        for E in experts:
-            torch.manual_seed(1)
-            x_TD, g_TD = torch.randn(T, D), torch.randn(T, D)
-            ms = {}
-            for name, fn in impls.items():
-                impl = "grouped_mm" if name == "hf grouped_mm" else None
-                ms[name] = time_fwd_bwd(fn, build_block(E, k, D, I, impl), x_TD, g_TD, reps)
-            cells = " | ".join(f"{ms[n]:.1f}" for n in names)
-            ratios = f"{ms['loop'] / ms['ours']:.2f}x | {ms['hf eager'] / ms['ours']:.2f}x"
-            print(f"| {E} | {k} | {cells} | {ratios} |", flush=True)
+    print(common.markdown_table(rows, COLUMNS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "shape": {"T": T, "D": D, "I": I}, "rows": rows}, f)
+    return rows
 
 
 if __name__ == "__main__":
