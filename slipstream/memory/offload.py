@@ -14,6 +14,7 @@ checkpoints; parameter and `state_dict()` names do not change.
   recompute and backward; with one buffer it is issued when layer i frees the buffer.
   The last layer's input (its backward comes first) and inputs under `min_offload_bytes` stay
   on the device. RNG state (dropout) is restored for the recompute, as torch checkpoint does.
+  Layers holding an MoE block with an auxiliary loss recompute instead (see `_has_side_outputs`).
 - "none": the model is left as it is (an earlier wrapping is undone).
 
 On CPU and on integrated GPUs "offload" means "recompute" (nothing to gain), unless
