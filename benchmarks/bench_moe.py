@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         T, D, I, experts, topks, reps = 64, 64, 32, (8, 32), (2,), 1
     else:
-        T, D, I, experts, topks, reps = 512, 256, 128, (8, 32, 128), (2, 8), 3
+        T, D, I, experts, topks, reps = 512, 256, 128, (8, 32, 128), (2, 8), 7
     info = common.run_info()
     rows = [measure(E, k, T, D, I, reps) for k in topks for E in experts]
     command = "python benchmarks/bench_moe.py" + (" --quick" if args.quick else "")
