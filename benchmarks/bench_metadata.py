@@ -36,7 +36,7 @@ COLUMNS = [
     "baseline syncs",
     "ours mask builds",
     "baseline mask builds",
-    "max |diff|",
+    "max abs diff",
 ]
 
 
@@ -88,7 +88,7 @@ def measure(layers: int, lengths: list[int], reps: int) -> dict:
         "baseline syncs": base_syncs.total,
         "ours mask builds": mask_builds(seq),
         "baseline mask builds": rebuilds,
-        "max |diff|": (out_ours - out_base).abs().max().item(),
+        "max abs diff": (out_ours - out_base).abs().max().item(),
     }
 
 

@@ -38,7 +38,7 @@ def test_metadata_quick(tmp_path, capsys):
         assert r["baseline syncs"] == 2 * r["layers"]  # .tolist() and .item() per layer
         assert r["ours mask builds"] == 1
         assert r["baseline mask builds"] == r["layers"]
-        assert r["max |diff|"] < 1e-5
+        assert r["max abs diff"] < 1e-5
         assert r["ours ms"] > 0 and r["baseline ms"] > 0
     assert json.loads((tmp_path / "m.json").read_text())["rows"][0]["layers"] == 2
 
