@@ -280,6 +280,8 @@ def test_user_errors_are_value_errors():
         )
     with pytest.raises(ValueError, match="hidden size 8"):
         moe.grouped_experts(torch.randn(4, 8), pl, torch.randn(3, 8, 6), torch.randn(3, 8, 4))
+    with pytest.raises(ValueError, match="need int32"):
+        moe.grouped_mm(torch.randn(4, 8), torch.randn(3, 8, 8), pl.offsets_E.long())
     with pytest.raises(ValueError, match="backend="):
         moe.grouped_mm(torch.randn(4, 8), torch.randn(3, 8, 8), pl.offsets_E, backend="cuda")
 

@@ -146,6 +146,13 @@ def grouped_mm(
     """
     if backend not in ("auto", "torch", "tiled"):
         raise ValueError(f"grouped_mm backend={backend!r}: use 'auto', 'torch' or 'tiled'")
+    if offsets_E.dtype != torch.int32 or offsets_E.shape != w_EDF.shape[:1]:
+        raise ValueError(
+            f"grouped_mm offsets {offsets_E.dtype} {tuple(offsets_E.shape)}: need int32 "
+            f"({w_EDF.shape[0]},), e.g. RoutingPlan.offsets_E"
+        )
+    if x_RD.shape[1] != w_EDF.shape[1]:
+        raise ValueError(f"grouped_mm x {tuple(x_RD.shape)} does not match w {tuple(w_EDF.shape)}")
     use_torch = backend == "torch" or (backend == "auto" and _grouped_mm_supported(x_RD, w_EDF))
     if use_torch:
         return _ContiguousGrad.apply(torch._grouped_mm(x_RD, w_EDF, offs=offsets_E))
