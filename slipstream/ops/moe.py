@@ -6,6 +6,11 @@ the flat expert ids; per-expert counts are a `scatter_add_` of ones on the devic
 run as grouped GEMMs over those offsets; the results are gathered back and summed over the k
 choices in float32. Dropless: there is no capacity factor and no token is ever lost.
 
+`grouped_mm` picks torch's `_grouped_mm` where it is one sync-free kernel (CUDA bf16 on
+sm90/sm100; CPU in torch >= 2.9, where it runs one small GEMM per expert internally, so its cost
+still creeps up with E at a fixed token count) and otherwise a tiled `bmm` fallback that needs
+no host sync either (see `_tiled_grouped_mm` for its cost).
+
 Expert weights are stacked `(E, ...)` in the `nn.Linear` layout (out, in) per expert:
 `gate_up_EFD (E, 2I, D)` and `down_EDF (E, D, I)`, which is how transformers 5.x stores
 `Qwen3MoeExperts` (gate rows first, then up rows). GPT-OSS stores the transposes
