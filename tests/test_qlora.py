@@ -16,7 +16,11 @@ import slipstream
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft.qlora import dequantize_model
 
-bnb = pytest.importorskip("bitsandbytes")
+try:
+    import bitsandbytes as bnb
+except ImportError:  # only the missing-bitsandbytes error test runs then
+    bnb = None
+needs_bnb = pytest.mark.skipif(bnb is None, reason="needs bitsandbytes: pip install bitsandbytes")
 
 LENGTHS = [9, 14, 5]
 # Dims that are multiples of the 64-wide quantisation block and of 32 (bitsandbytes'
@@ -86,6 +90,7 @@ def hf_nf4(fp_dir, tmp_path_factory):
     return model, path
 
 
+@needs_bnb
 def test_nf4_logits_close_to_float32(fp_dir):
     ours = slipstream.load_model(fp_dir, quantize="nf4")
     ref = slipstream.load_model(fp_dir)
@@ -105,6 +110,7 @@ def test_nf4_logits_close_to_float32(fp_dir):
     assert rel > 1e-3, "weights were not quantised"
 
 
+@needs_bnb
 def test_nf4_equals_float_model_with_dequantized_weights(fp_dir):
     """The NF4 layers compute exactly x @ dequant(W).T: nothing else in the model changed."""
     ours = slipstream.load_model(fp_dir, quantize="nf4")
@@ -122,6 +128,7 @@ def test_nf4_equals_float_model_with_dequantized_weights(fp_dir):
         torch.testing.assert_close(ours(_ids(), seq), ref(_ids(), seq), atol=1e-5, rtol=1e-5)
 
 
+@needs_bnb
 def test_qlora_steps_lower_loss_and_change_only_lora(fp_dir):
     model = slipstream.load_model(fp_dir, quantize="nf4")
     slipstream.apply_lora(model, rank=4, alpha=8)
@@ -160,6 +167,7 @@ def test_qlora_steps_lower_loss_and_change_only_lora(fp_dir):
     )
 
 
+@needs_bnb
 def test_transformers_bnb_checkpoint_loads_with_same_outputs(fp_dir, hf_nf4):
     hf, path = hf_nf4
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
@@ -183,6 +191,7 @@ def test_transformers_bnb_checkpoint_loads_with_same_outputs(fp_dir, hf_nf4):
     torch.testing.assert_close(ours_from_fp, ours_T, atol=1e-6, rtol=1e-6)
 
 
+@needs_bnb
 def test_adapter_from_nf4_model_loads_in_peft_on_bnb_transformers(fp_dir, hf_nf4, tmp_path):
     peft = pytest.importorskip("peft")
     model = slipstream.load_model(fp_dir, quantize="nf4")
@@ -210,6 +219,7 @@ def test_adapter_from_nf4_model_loads_in_peft_on_bnb_transformers(fp_dir, hf_nf4
     assert (ours_T - base).abs().max() > 1e-3, "the adapter changed nothing"
 
 
+@needs_bnb
 def test_merged_export_of_qlora_model_loads_in_transformers(hf_nf4, tmp_path):
     import transformers
 
@@ -240,6 +250,7 @@ def test_quantize_errors(fp_dir, monkeypatch):
         slipstream.load_model(fp_dir, quantize="nf4")
 
 
+@needs_bnb
 def test_truncated_bnb_checkpoint_names_the_weight(hf_nf4, tmp_path):
     import shutil
 
@@ -253,6 +264,7 @@ def test_truncated_bnb_checkpoint_names_the_weight(hf_nf4, tmp_path):
         slipstream.load_model(tmp_path)
 
 
+@needs_bnb
 def test_tied_embeddings_and_biases_stay_full_precision(tmp_path):
     make_hf_model("qwen3", tie_word_embeddings=True, attention_bias=True, **TINY).save_pretrained(
         tmp_path
@@ -269,6 +281,7 @@ def test_tied_embeddings_and_biases_stay_full_precision(tmp_path):
     assert ((got - want).norm() / want.norm()).item() < 0.2  # measured 0.132
 
 
+@needs_bnb
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_nf4_bf16_close_to_float32_and_to_prequantized(fp_dir, hf_nf4):
@@ -354,6 +367,7 @@ def _write_sharded_llama(path: Path, layers: int, hidden: int, inter: int, vocab
     return total
 
 
+@needs_bnb
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_nf4_load_peak_host_memory_is_a_fraction_of_float32(tmp_path):
