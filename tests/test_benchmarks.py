@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bench_metadata  # noqa: E402
+import bench_moe  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_syncs  # noqa: E402
 import common  # noqa: E402
@@ -135,3 +136,10 @@ def test_gpu_suite_time_guard_skips(monkeypatch):
     setup = gpu_suite.Setup("cpu", None, [4], 0, 1, False, deadline=0.0)
     row = gpu_suite.run_row(gpu_suite.Variant("x", "qwen3-8b"), setup)
     assert row["status"].startswith("skipped: time guard")
+
+
+def test_moe_quick(capsys):
+    rows = bench_moe.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_moe.COLUMNS)
+    assert [(r["E"], r["k"]) for r in rows] == [(8, 2), (32, 2)]
+    assert all(r["max abs diff"] < 1e-5 and r["ours ms"] > 0 for r in rows)
