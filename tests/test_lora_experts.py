@@ -1,7 +1,11 @@
-"""LoRA on stacked experts: PEFT `target_parameters` round trip (logits and gradients equal
-PEFT's on the transformers model), our own load, merge, and per-expert gradient coverage."""
+"""LoRA on stacked experts through the one LoRA API (`apply_lora`, `save_adapter`,
+`load_adapter`, `merge_lora`): PEFT `target_parameters` round trip (logits and gradients equal
+PEFT's on the transformers model), our own load, merge, target resolution on MoE models, and
+per-expert gradient coverage."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -11,15 +15,8 @@ import slipstream
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft import lora
-from slipstream.peft.lora_experts import (
-    LoRAExperts,
-    apply_expert_lora,
-    expert_lora_modules,
-    expert_lora_tensors,
-    load_adapter,
-    merge_expert_lora,
-    save_adapter,
-)
+from slipstream.peft.lora import apply_lora, load_adapter, merge_lora, save_adapter
+from slipstream.peft.lora_experts import LoRAExperts, expert_lora_modules, expert_lora_tensors
 
 FAMILIES = ["qwen3_moe", "gpt_oss"]
 
@@ -49,22 +46,30 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path
 
 
-def _with_lora(path, linear: bool, rank: int = 4):
+EXPERTS = ["gate_up_proj", "down_proj"]
+TARGETS = {
+    "attn+experts": ["q_proj", "v_proj", *EXPERTS],
+    "experts-only": EXPERTS,
+    "all-linear": "all-linear",
+}
+
+
+def _with_lora(path, targets, rank: int = 4):
     model = slipstream.load_model(path)
-    if linear:
-        lora.apply_lora(model, rank=rank, alpha=2 * rank, targets=["q_proj", "v_proj"])
-    apply_expert_lora(model, rank=rank, alpha=2 * rank)
+    apply_lora(model, rank=rank, alpha=2 * rank, targets=targets)
     _randomise_lora(model, seed=4)
     return model
 
 
-@pytest.mark.parametrize("linear", [True, False], ids=["attn+experts", "experts-only"])
-def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, linear):
+@pytest.mark.parametrize("targets", TARGETS.values(), ids=TARGETS.keys())
+def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, targets):
     import peft
 
     family, path = checkpoint
-    ours = _with_lora(path, linear)
+    ours = _with_lora(path, targets)
     save_adapter(ours, tmp_path)
+    saved = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
+    assert saved["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     hf = make_hf_moe_model(family, seed=3)
     pm = peft.PeftModel.from_pretrained(hf, tmp_path, is_trainable=True)
     ids = _ids(12, 5)
@@ -80,19 +85,24 @@ def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, 
     peft_grads = {
         n.replace(".default", ""): p.grad for n, p in pm.named_parameters() if "lora_" in n
     }
+    linear_grads = {
+        f"base_model.model.{n}": p.grad
+        for n, p in ours.named_parameters()
+        if "lora_" in n and ".experts." not in n
+    }
     with torch.no_grad():
         for m in expert_lora_modules(ours).values():
             for p in [*m.lora_A.values(), *m.lora_B.values()]:
                 p.copy_(p.grad)
-    ours_grads = expert_lora_tensors(ours)
-    assert ours_grads and set(ours_grads) <= set(peft_grads)
+    ours_grads = {**expert_lora_tensors(ours), **linear_grads}
+    assert set(ours_grads) == set(peft_grads)
     for key, g in ours_grads.items():
         torch.testing.assert_close(g, peft_grads[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
 def test_own_load_and_merge_give_the_same_logits(checkpoint, tmp_path):
     _, path = checkpoint
-    ours = _with_lora(path, linear=True)
+    ours = _with_lora(path, TARGETS["attn+experts"])
     save_adapter(ours, tmp_path)
     ids, seq = _ids(10, 6), SeqInfo.from_lengths([6, 4])
     with torch.no_grad():
@@ -101,7 +111,7 @@ def test_own_load_and_merge_give_the_same_logits(checkpoint, tmp_path):
         torch.testing.assert_close(again(ids, seq), ref, atol=1e-6, rtol=1e-6)
         base = slipstream.load_model(path)(ids, seq)
         assert (base - ref).abs().max() > 1e-3  # the adapter does change the outputs
-        merged = lora.merge_lora(merge_expert_lora(again))
+        merged = merge_lora(again)
         assert not expert_lora_modules(merged) and merged.lora_config is None
         torch.testing.assert_close(merged(ids, seq), ref, atol=1e-5, rtol=1e-5)
 
@@ -111,7 +121,7 @@ def test_own_load_and_merge_give_the_same_logits(checkpoint, tmp_path):
 def test_every_expert_with_tokens_gets_grad_and_only_those(checkpoint, rank, random_b):
     _, path = checkpoint
     model = slipstream.load_model(path)
-    apply_expert_lora(model, rank=rank, alpha=8)
+    apply_lora(model, rank=rank, alpha=8, targets=EXPERTS)
     if random_b:
         _randomise_lora(model, seed=7)
     set_router_aux_loss_coef(model, 1.0)  # keeps each block's per-expert row counts
@@ -135,16 +145,53 @@ def test_every_expert_with_tokens_gets_grad_and_only_those(checkpoint, rank, ran
     assert not frozen
 
 
-def test_user_errors(checkpoint):
+def test_targets_on_moe_models(tmp_path):
+    """all-linear: every nn.Linear but lm_head (routers are not nn.Linear) plus both expert
+    parameters; the default's dense MLP names reach the experts, and dense layers as well."""
+    make_hf_moe_model("qwen3_moe", seed=3, mlp_only_layers=[0]).save_pretrained(tmp_path)
+    model = apply_lora(slipstream.load_model(tmp_path), rank=2, alpha=4, targets="all-linear")
+    wrapped = sorted(lora.lora_modules(model))
+    attn = [f"self_attn.{m}_proj" for m in "qkvo"]
+    dense_mlp = [f"mlp.{m}_proj" for m in ["gate", "up", "down"]]
+    assert wrapped == sorted(
+        [f"model.layers.{i}.{m}" for i in range(2) for m in attn]
+        + [f"model.layers.0.{m}" for m in dense_mlp]
+    )
+    assert list(expert_lora_modules(model)) == ["model.layers.1.mlp.experts"]
+    assert expert_lora_modules(model)["model.layers.1.mlp.experts"].targets == tuple(EXPERTS)
+    assert not any("gate." in n for n, p in model.named_parameters() if p.requires_grad)
+
+    model = apply_lora(slipstream.load_model(tmp_path), rank=2, alpha=4)  # default targets
+    cfg = model.lora_config
+    assert cfg["target_modules"] == sorted(lora.DEFAULT_TARGETS)  # layer 0 is dense
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model = apply_lora(slipstream.load_model(tmp_path), rank=2, alpha=4, targets=["up_proj"])
+    assert model.lora_config["target_parameters"] == ["mlp.experts.gate_up_proj"]
+    assert list(lora.lora_modules(model)) == ["model.layers.0.mlp.up_proj"]
+
+
+def test_user_errors(checkpoint, tmp_path):
     _, path = checkpoint
     model = slipstream.load_model(path)
-    with pytest.raises(ValueError, match="not supported"):
-        apply_expert_lora(model, targets=["up_proj"])
-    lora.apply_lora(model, rank=4, alpha=8, targets=["q_proj"])
-    with pytest.raises(ValueError, match="PEFT needs one of each"):
-        apply_expert_lora(model, rank=8, alpha=8)
+    with pytest.raises(ValueError, match=r"dropout=0.1 is not supported on MoE experts"):
+        apply_lora(model, dropout=0.1, targets="all-linear")
+    with pytest.raises(ValueError, match=r"\['gate_proj_x'\] match no.*MoE expert names"):
+        apply_lora(model, targets=["q_proj", "gate_proj_x"])
+    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "down_proj"])
+    with pytest.raises(ValueError, match="already applied"):
+        apply_lora(model, rank=4, alpha=8, targets=EXPERTS)
+    save_adapter(model, tmp_path)
     dense = slipstream.load_model(path)
     for block in moe_blocks(dense):
         block.__class__ = torch.nn.Module  # a model without MoE blocks
-    with pytest.raises(ValueError, match="no MoE layers"):
-        apply_expert_lora(dense)
+    with pytest.raises(ValueError, match="need a MoE model"):
+        load_adapter(dense, tmp_path)
+    with pytest.raises(ValueError, match=r"\['gate_up_proj'\] match no nn.Linear"):
+        apply_lora(dense, targets=["gate_up_proj"])
+    assert apply_lora(dense, dropout=0.1, targets=["q_proj"]).lora_config["lora_dropout"] == 0.1
+    # a PEFT adapter with a bad target_parameters entry: one line naming the file
+    cfg = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
+    cfg["target_parameters"] = ["mlp.experts.up_proj"]
+    (tmp_path / lora.ADAPTER_CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="adapter_config.json: target_parameters"):
+        load_adapter(slipstream.load_model(path), tmp_path)

@@ -1,5 +1,8 @@
 """Merged export: fold the LoRA deltas into the base weights and write a plain HF checkpoint.
 
+Expert LoRA on MoE models is folded into the stacked expert weights, which the family's
+`hf_tensors` then writes in the hub layout.
+
 A QLoRA base is first dequantised (to the compute dtype, never re-quantised), so the merged
 model is a full-precision checkpoint that `transformers` loads unchanged.
 """
@@ -22,7 +25,8 @@ def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any 
         from slipstream.peft.qlora import dequantize_model
 
         dequantize_model(model)
-    if lora_modules(model):
+    # merge_lora also folds expert LoRA (MoE `target_parameters`) into the stacked experts.
+    if lora_modules(model) or (getattr(model, "lora_config", None) or {}).get("target_parameters"):
         merge_lora(model)
     out = save_model(model, directory)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):

@@ -8,6 +8,14 @@ here. Shapes: A is (rank, in_features), B is (out_features, rank);
 y = base(x) + scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for
 rsLoRA). The base can be any module with `in_features`, `out_features` and a `weight`
 (e.g. a bitsandbytes `Linear4bit` for QLoRA); it is never modified until `merge_lora`.
+
+MoE models (qwen3_moe, gpt_oss): the same functions also put LoRA on the stacked experts
+(`slipstream.peft.lora_experts`, saved as PEFT's `target_parameters`). "all-linear" takes every
+nn.Linear but lm_head (routers are not nn.Linear) plus both expert parameters; explicit targets
+may name the expert parameters `gate_up_proj` / `down_proj`; and the dense MLP names
+`gate_proj` / `up_proj` / `down_proj` (in the default targets) also reach the experts'
+`gate_up_proj` / `down_proj`, so the default trains the MLP of a MoE model as it does of a
+dense one. PEFT has no dropout on parameters: expert LoRA with dropout > 0 is an error.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +36,14 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+# Names that reach the stacked experts of a MoE model (the dense MLP's names map to the fused
+# expert parameter that holds them). Kept here, not imported: lora_experts imports this module.
+_EXPERT_TARGET_OF = {
+    "gate_up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 class LoRALinear(nn.Module):
@@ -111,9 +128,10 @@ def apply_lora(
     targets: str | Iterable[str] = DEFAULT_TARGETS,
     use_rslora: bool = False,
 ) -> nn.Module:
-    """Wrap the targeted linear layers in LoRALinear and freeze everything else.
+    """Wrap the targeted linear layers (and MoE experts) in LoRA and freeze everything else.
 
-    targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head).
+    targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head,
+    and on a MoE model the experts' `gate_up_proj` and `down_proj`).
     """
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
@@ -123,21 +141,57 @@ def apply_lora(
         raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"lora dropout must be in [0, 1), got {dropout!r}")
-    linears = _linear_children(model)
-    present = sorted({name.rsplit(".", 1)[-1] for name, *_ in linears})
+    has_experts = _has_moe_blocks(model)
     if targets == "all-linear":
-        wanted = set(present) - {"lm_head"}
+        linear, experts = "all-linear", set(_EXPERT_TARGET_OF.values()) if has_experts else set()
     else:
         wanted = {targets} if isinstance(targets, str) else set(targets)
-        missing = sorted(wanted - set(present))
+        expert_names = set(_EXPERT_TARGET_OF) if has_experts else set()
+        present = _linear_names(model)
+        linear = wanted & present
+        experts = {_EXPERT_TARGET_OF[n] for n in wanted & expert_names}
+        missing = sorted(wanted - present - expert_names)
         if missing or not wanted:
+            also = f"; MoE expert names: {sorted(expert_names)}" if expert_names else ""
             raise ValueError(
                 f"lora targets {missing or sorted(wanted)} match no nn.Linear in the model; "
-                f"linear module names present: {present}"
+                f"linear module names present: {sorted(present)}{also}"
             )
-    for _, parent, attr, linear in linears:
-        if attr in wanted:
-            setattr(parent, attr, LoRALinear(linear, rank, alpha, dropout, use_rslora))
+    if experts and dropout > 0:
+        raise ValueError(
+            f"lora dropout={dropout} is not supported on MoE experts (PEFT has no dropout on "
+            "parameters); set lora dropout to 0 or target only linear layers (e.g. q_proj)"
+        )
+    return _wrap(model, rank, alpha, dropout, linear, sorted(experts), use_rslora)
+
+
+def _has_moe_blocks(model: nn.Module) -> bool:
+    from slipstream.models.moe_block import moe_blocks
+
+    return bool(moe_blocks(model))
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, *_ in _linear_children(model)}
+
+
+def _wrap(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    linear: str | set[str],
+    experts: list[str],
+    use_rslora: bool,
+) -> nn.Module:
+    """Wrap the named linears ("all-linear": all but lm_head) and expert parameters; record
+    `model.lora_config` (PEFT's names) and leave only the LoRA factors trainable."""
+    linears = _linear_children(model)
+    if linear == "all-linear":
+        linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
+    for _, parent, attr, module in linears:
+        if attr in linear:
+            setattr(parent, attr, LoRALinear(module, rank, alpha, dropout, use_rslora))
     model.requires_grad_(False)
     for module in lora_modules(model).values():
         module.lora_A.requires_grad_(True)
@@ -146,9 +200,15 @@ def apply_lora(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": sorted(wanted),
+        "target_modules": sorted(linear),
         "use_rslora": use_rslora,
     }
+    if experts:
+        from slipstream.peft.lora_experts import wrap_experts
+
+        model.lora_config["target_parameters"] = wrap_experts(
+            model, experts, rank, alpha, use_rslora
+        )
     return model
 
 
@@ -182,6 +242,10 @@ def save_adapter(
         for part in ("lora_A", "lora_B"):
             weight = getattr(module, part).weight
             tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"] = weight.detach().cpu().contiguous()
+    if cfg.get("target_parameters"):
+        from slipstream.peft.lora_experts import expert_lora_tensors
+
+        tensors.update(expert_lora_tensors(model))
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
     config = {
@@ -205,6 +269,8 @@ def save_adapter(
         "use_dora": False,
         "revision": None,
     }
+    if cfg.get("target_parameters"):  # only then: older PEFT versions lack the key
+        config["target_parameters"] = cfg["target_parameters"]
     try:
         _write_atomic(
             out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})
@@ -245,16 +311,33 @@ def _read_adapter_config(path: Path) -> dict:
 
 
 def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
-    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed."""
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
+    Expert factors (`target_parameters` on a MoE model) load in the same pass."""
     src = Path(dir)
     cfg = _read_adapter_config(src / ADAPTER_CONFIG)
     rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
     use_rslora = bool(cfg.get("use_rslora", False))
+    experts = _expert_targets(cfg, src / ADAPTER_CONFIG, model)
     current = getattr(model, "lora_config", None)
     if current is None:
-        targets = cfg["target_modules"]
-        targets = targets if isinstance(targets, str) else sorted(targets)
-        apply_lora(model, rank, alpha, cfg.get("lora_dropout") or 0.0, targets, use_rslora)
+        _check_hyper(rank, alpha, cfg.get("lora_dropout") or 0.0, src / ADAPTER_CONFIG)
+        linear = cfg.get("target_modules") or []
+        if linear != "all-linear":
+            present = _linear_names(model)
+            missing = sorted(set(linear) - present)
+            if missing:
+                raise ValueError(
+                    f"{src / ADAPTER_CONFIG}: target_modules {missing} match no nn.Linear in "
+                    f"the model; linear module names present: {sorted(present)}"
+                )
+            linear = set(linear)
+        dropout = cfg.get("lora_dropout") or 0.0
+        if experts and dropout > 0:
+            raise ValueError(
+                f"{src / ADAPTER_CONFIG}: lora_dropout={dropout} with target_parameters is not "
+                "supported (PEFT has no dropout on parameters); set it to 0"
+            )
+        _wrap(model, rank, alpha, dropout, linear, experts, use_rslora)
     elif (current["r"], current["lora_alpha"], current["use_rslora"]) != (rank, alpha, use_rslora):
         raise ValueError(
             f"{src}: adapter has r={rank}, lora_alpha={alpha}, use_rslora={use_rslora} but the "
@@ -269,8 +352,13 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     for name, module in lora_modules(model).items():
         for part in ("lora_A", "lora_B"):
             expected[f"{_PEFT_PREFIX}{name}.{part}.weight"] = getattr(module, part).weight
+    expert_keys = set()
+    if (getattr(model, "lora_config", None) or {}).get("target_parameters"):
+        from slipstream.peft.lora_experts import expert_lora_keys, load_expert_lora_tensors
+
+        expert_keys = expert_lora_keys(model)
     for key in tensors:
-        if key not in expected:
+        if key not in expected and key not in expert_keys:
             raise ValueError(f"{weights_path}: tensor {key} matches no LoRA module in the model")
     with torch.no_grad():
         for key, param in expected.items():
@@ -282,11 +370,46 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
                     f"the model expects {tuple(param.shape)}"
                 )
             param.copy_(tensors[key])
+    if expert_keys:
+        load_expert_lora_tensors(
+            model, {k: tensors[k] for k in expert_keys & set(tensors)}, weights_path
+        )
     return model
 
 
+def _check_hyper(rank: Any, alpha: Any, dropout: Any, source: Path) -> None:
+    if not (isinstance(rank, int) and rank > 0) or not alpha > 0 or not 0 <= dropout < 1:
+        raise ValueError(
+            f"{source}: r={rank!r}, lora_alpha={alpha!r}, lora_dropout={dropout!r}; need "
+            "r a positive integer, lora_alpha > 0 and lora_dropout in [0, 1)"
+        )
+
+
+def _expert_targets(cfg: dict, source: Path, model: nn.Module) -> list[str]:
+    """The expert parameters an adapter's `target_parameters` names (PEFT's MoE layout)."""
+    params = cfg.get("target_parameters") or []
+    if isinstance(params, str):
+        params = [params]
+    names = [p.rpartition(".")[2] for p in params]
+    if any(not p.endswith(f"mlp.experts.{n}") for p, n in zip(params, names, strict=True)) or (
+        set(names) - set(_EXPERT_TARGET_OF.values())
+    ):
+        raise ValueError(
+            f"{source}: target_parameters {params} are not supported; "
+            "use mlp.experts.gate_up_proj and/or mlp.experts.down_proj"
+        )
+    if names and not _has_moe_blocks(model):
+        raise ValueError(f"{source}: target_parameters {params} need a MoE model (no MoE layers)")
+    return sorted(set(names))
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold scale * B @ A into each base weight and put the plain base modules back."""
+    """Fold scale * B @ A into each base weight (expert LoRA too) and put the plain base
+    modules back."""
+    if (getattr(model, "lora_config", None) or {}).get("target_parameters"):
+        from slipstream.peft.lora_experts import merge_expert_lora
+
+        merge_expert_lora(model)
     for name, module in list(lora_modules(model).items()):
         base = module.base_layer
         if not base.weight.is_floating_point():

@@ -1,6 +1,8 @@
 """LoRA on stacked MoE experts, saved in the layout PEFT uses for `target_parameters`.
 
-`apply_expert_lora(model)` swaps each MoE block's `experts` for a `LoRAExperts` that keeps the
+Used through `slipstream.peft.lora` (`apply_lora`, `save_adapter`, `load_adapter`,
+`merge_lora`), which calls in here when a model has MoE blocks. `wrap_experts(model, ...)`
+swaps each MoE block's `experts` for a `LoRAExperts` that keeps the
 original as `.base_layer` and holds, per targeted parameter (`gate_up_proj`, `down_proj`),
 stacked factors A (E, r, in) and B (E, out, r). Forward adds scale * B_e A_e x to every routed
 row with two more grouped GEMMs over the same routing offsets, so each expert's factors see
@@ -24,16 +26,10 @@ Shapes: R routed rows, E experts, r rank, I/O in/out features of one expert proj
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
-import tempfile
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slipstream.models.moe_block import MoEBlock, moe_blocks
@@ -42,7 +38,6 @@ from slipstream.peft import lora
 
 EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 _PEFT_PREFIX = "base_model.model."
-_EXPERT_KEY = re.compile(r"\.experts(\.base_layer)*\.lora_[AB]\.weight$")
 
 
 class LoRAExperts(nn.Module):
@@ -109,57 +104,20 @@ def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts)}
 
 
-def apply_expert_lora(
-    model: nn.Module,
-    rank: int = 16,
-    alpha: float = 32,
-    targets: Iterable[str] = EXPERT_TARGETS,
-    use_rslora: bool = False,
-) -> nn.Module:
-    """Add stacked LoRA to every MoE block's experts and freeze everything but LoRA.
-
-    Call after `apply_lora` (same rank/alpha: PEFT has one per adapter) or alone. Records
-    `target_parameters` in `model.lora_config` for `save_adapter`.
-    """
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    bad = sorted(set(targets) - set(EXPERT_TARGETS)) or ([] if targets else ["(none)"])
-    if bad:
-        raise ValueError(f"expert lora targets {bad} are not supported; use {EXPERT_TARGETS}")
+def wrap_experts(
+    model: nn.Module, targets: Iterable[str], rank: int, alpha: float, use_rslora: bool = False
+) -> list[str]:
+    """Put LoRA on `targets` of every MoE block's experts, trainable; returns PEFT's
+    `target_parameters` names. `lora.apply_lora` calls this (and checks its arguments)."""
+    targets = set(targets)
+    assert targets and targets <= set(EXPERT_TARGETS), targets
     blocks: list[MoEBlock] = moe_blocks(model)
-    if not blocks:
-        raise ValueError("apply_expert_lora: the model has no MoE layers (qwen3_moe, gpt_oss)")
-    if expert_lora_modules(model):
-        raise ValueError("expert LoRA is already applied to this model; apply it once")
-    cfg = getattr(model, "lora_config", None)
-    if cfg is None:
-        if not (isinstance(rank, int) and rank > 0) or not alpha > 0:
-            raise ValueError(
-                f"lora rank must be a positive integer and alpha > 0, got "
-                f"rank={rank!r}, alpha={alpha!r}"
-            )
-        model.requires_grad_(False)
-        cfg = {
-            "r": rank,
-            "lora_alpha": alpha,
-            "lora_dropout": 0.0,
-            "target_modules": [],
-            "use_rslora": use_rslora,
-        }
-    elif (cfg["r"], cfg["lora_alpha"], cfg["use_rslora"]) != (rank, alpha, use_rslora):
-        raise ValueError(
-            f"expert LoRA rank={rank}, alpha={alpha}, use_rslora={use_rslora} differ from the "
-            f"model's LoRA (r={cfg['r']}, lora_alpha={cfg['lora_alpha']}); PEFT needs one of each"
-        )
-    elif cfg.get("lora_dropout"):
-        raise ValueError("LoRA on experts needs lora_dropout=0 (PEFT has no expert dropout)")
+    assert blocks and not expert_lora_modules(model)
     for block in blocks:
         block.experts = LoRAExperts(block.experts, targets, rank, alpha, use_rslora)
-    for module in expert_lora_modules(model).values():
-        module.lora_A.requires_grad_(True)
-        module.lora_B.requires_grad_(True)
-    cfg["target_parameters"] = [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in targets]
-    model.lora_config = cfg
-    return model
+        block.experts.lora_A.requires_grad_(True)
+        block.experts.lora_B.requires_grad_(True)
+    return [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in targets]
 
 
 def _peft_keys(path: str, module: LoRAExperts) -> dict[str, tuple[str, str]]:
@@ -184,6 +142,11 @@ def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 t = module.lora_B[name].detach().permute(1, 2, 0).flatten(1)
             out[key] = t.contiguous().cpu()
     return out
+
+
+def expert_lora_keys(model: nn.Module) -> set[str]:
+    """The PEFT keys of every expert LoRA factor in the model."""
+    return {k for path, m in expert_lora_modules(model).items() for k in _peft_keys(path, m)}
 
 
 def load_expert_lora_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source) -> None:
@@ -226,68 +189,4 @@ def merge_expert_lora(model: nn.Module) -> nn.Module:
         model.lora_config.pop("target_parameters", None)
         if not lora.lora_modules(model):
             model.lora_config = None
-    return model
-
-
-# ------------------------------------------------------ adapters with expert LoRA
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_adapter(
-    model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
-) -> Path:
-    """`lora.save_adapter`, plus the expert factors and `target_parameters` (PEFT layout)."""
-    out = lora.save_adapter(model, dir, base_model_name_or_path)
-    experts = expert_lora_tensors(model)
-    if not experts:
-        return out
-    tensors = {**load_file(out / lora.ADAPTER_WEIGHTS), **experts}
-    _atomic(out / lora.ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    config = json.loads((out / lora.ADAPTER_CONFIG).read_text())
-    config["target_parameters"] = model.lora_config["target_parameters"]
-    text = json.dumps(config, indent=2) + "\n"
-    _atomic(out / lora.ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
-    return out
-
-
-def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
-    """`lora.load_adapter` for adapters that may also carry `target_parameters` on experts."""
-    src = Path(dir)
-    config_path = src / lora.ADAPTER_CONFIG
-    cfg = lora._read_adapter_config(config_path)
-    params = cfg.get("target_parameters") or []
-    if not params:
-        return lora.load_adapter(model, src)
-    targets = [p.rpartition(".")[2] for p in params]
-    if any(not p.endswith(f"mlp.experts.{t}") for p, t in zip(params, targets, strict=True)):
-        raise ValueError(
-            f"{config_path}: target_parameters {params} are not supported; "
-            f"use mlp.experts.{{{','.join(EXPERT_TARGETS)}}}"
-        )
-    weights_path = src / lora.ADAPTER_WEIGHTS
-    if not weights_path.is_file():
-        raise ValueError(f"{weights_path} not found: the adapter has no weights")
-    tensors = load_file(weights_path)
-    expert_keys = {k: v for k, v in tensors.items() if _EXPERT_KEY.search(k)}
-    if cfg.get("target_modules"):  # the linear part goes through lora.load_adapter as is
-        with tempfile.TemporaryDirectory() as tmp:
-            linear_cfg = {k: v for k, v in cfg.items() if k != "target_parameters"}
-            Path(tmp, lora.ADAPTER_CONFIG).write_text(json.dumps(linear_cfg))
-            rest = {k: v for k, v in tensors.items() if k not in expert_keys}
-            save_file(rest, str(Path(tmp, lora.ADAPTER_WEIGHTS)))
-            lora.load_adapter(model, tmp)
-    if not expert_lora_modules(model):
-        rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
-        apply_expert_lora(model, rank, alpha, targets, bool(cfg.get("use_rslora", False)))
-    load_expert_lora_tensors(model, expert_keys, weights_path)
     return model
