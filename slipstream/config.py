@@ -79,6 +79,9 @@ class TrainSection(_Section):
     log_every: int = Field(10, gt=0)
     activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # MoE load-balancing loss weight; null: the checkpoint's own (config.json's
+    # router_aux_loss_coef if output_router_logits, else off); 0: off
+    router_aux_loss_coef: float | None = Field(None, ge=0)
 
 
 class RunConfig(_Section):
