@@ -11,7 +11,8 @@ no sync). So `grad_accum=4` with a quarter of the token budget gives the same up
 full batch, and long and short examples weigh per token, not per batch.
 
 Host syncs: none inside the micro-batch loop. The loss and grad norm are read to the host
-once per *logged* step (`.tolist()` of two numbers), outside model code; evaluation reads
+once per *logged* step (`.tolist()` of two numbers; three with a MoE router aux loss, which
+is reported as `aux_loss`), outside model code; evaluation reads
 its total once. With `log_every=10` that is one stall every 10 optimizer steps.
 """
 
@@ -30,6 +31,12 @@ from typing import Any
 import torch
 
 from slipstream.config import RunConfig, check_output_dir, write_resolved_config
+from slipstream.models.moe_block import (
+    moe_aux_loss,
+    moe_blocks,
+    router_aux_loss_coef,
+    set_router_aux_loss_coef,
+)
 from slipstream.train.metrics import (
     MetricsLog,
     flops_per_token,
@@ -102,6 +109,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     flops_tok = flops_per_token(sum(p.numel() for p in model.parameters()), full)
     clip = t.clip if t.clip is not None else math.inf
     loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)  # MoE router aux loss, label-weighted
+    log_aux = router_aux_loss_coef(model) > 0
     interval_labels = interval_tokens = 0
     last_time, run_start = time.perf_counter(), time.perf_counter()
     status, step, last_loss = "completed", start_step, None
@@ -112,7 +121,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 collate_batch(data.train, data.train_batches[next(stream)], device)
                 for _ in range(t.grad_accum)
             ]
-            loss_sum += accumulate_gradients(model, window)
+            loss_sum += accumulate_gradients(model, window, aux_sum)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
             scheduler.step()
@@ -121,10 +130,10 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             interval_tokens += sum(b.input_ids.numel() for b in window)
 
             if step % t.log_every == 0 or step == total_steps or stop.requested:
-                # The one host sync of a logged step: loss and grad norm in one transfer.
-                last_loss, norm = torch.stack(
-                    [loss_sum / max(interval_labels, 1), grad_norm.float()]
-                ).tolist()
+                # The one host sync of a logged step: loss, grad norm (and aux) in one transfer.
+                values = [loss_sum / max(interval_labels, 1), grad_norm.float()]
+                values += [aux_sum / max(interval_labels, 1)] if log_aux else []
+                last_loss, norm, *aux = torch.stack(values).tolist()
                 now = time.perf_counter()
                 tokens_per_s = interval_tokens / max(now - last_time, 1e-9)
                 tokens_total += interval_tokens
@@ -139,9 +148,11 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                         "tokens_per_s": tokens_per_s,
                         "peak_mem_gb": peak_memory_gb(device),
                         "mfu": mfu,
+                        **({"aux_loss": aux[0]} if aux else {}),
                     }
                 )
                 loss_sum.zero_()
+                aux_sum.zero_()
                 interval_labels = interval_tokens = 0
                 last_time = now
             log.bar.update(1)
@@ -206,18 +217,28 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     return summary
 
 
-def accumulate_gradients(model: torch.nn.Module, window: list[Any]) -> torch.Tensor:
+def accumulate_gradients(
+    model: torch.nn.Module, window: list[Any], aux_sum: torch.Tensor | None = None
+) -> torch.Tensor:
     """Backward over one accumulation window; returns the summed loss (a device tensor).
 
     Each micro-batch's summed loss is divided by the window's labelled-token count, so the
-    gradient equals that of one batch holding the whole window. No host sync here.
+    gradient equals that of one batch holding the whole window. A MoE router's aux loss is
+    added as coef * aux * (the micro-batch's labelled tokens): after that one division each
+    micro-batch contributes transformers' `loss + coef * aux`. Its label-weighted sum is
+    added into `aux_sum` when given. No host sync here.
     """
     num_labels = max(sum(b.num_labels for b in window), 1)  # host ints from the collator
+    coef = router_aux_loss_coef(model)  # a Python float
     total = None
     for batch in window:
         loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum")
-        (loss / num_labels).backward()
+        aux = moe_aux_loss(model)  # None unless a MoE block recorded router stats
+        objective = loss if aux is None else loss + (coef * batch.num_labels) * aux
+        (objective / num_labels).backward()
         total = loss.detach() if total is None else total + loss.detach()
+        if aux is not None and aux_sum is not None:
+            aux_sum += aux.detach() * batch.num_labels
     return total
 
 
@@ -292,6 +313,10 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
     dtype = resolve_dtype(cfg.model.dtype, device)
     model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
+    if cfg.train.router_aux_loss_coef is not None:
+        if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
+            raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
+        set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
     if cfg.lora.method == "lora":
         from slipstream.peft.lora import apply_lora
 
