@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from helpers.models import make_hf_model
 
@@ -32,3 +34,6 @@ def test_export_merged_loads_in_transformers(tmp_path):
     with torch.no_grad():
         assert (base(ids[None]).logits[0] - expected).abs().max() > 1e-3  # the adapter mattered
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    summary = json.loads((tmp_path / "merged" / "export_summary.json").read_text())
+    assert summary["lora_modules_merged"] == 7 * 2  # all-linear on 2 layers
+    assert summary["base_dequantized_from_nf4"] is False

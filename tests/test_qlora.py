@@ -231,11 +231,14 @@ def test_merged_export_of_qlora_model_loads_in_transformers(hf_nf4, tmp_path):
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
         seq = SeqInfo.from_lengths(LENGTHS)
         want = model(_ids(), seq)
-    dequantize_model(model)
-    slipstream.merge_lora(model)
-    slipstream.save_model(model, tmp_path / "merged")
+    with pytest.raises(ValueError, match="4-bit"):  # a raw save would write packed uint8
+        slipstream.save_model(model, tmp_path / "raw")
+    slipstream.export_merged(model, tmp_path / "merged")
     cfg = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "quantization_config" not in cfg
+    summary = json.loads((tmp_path / "merged" / "export_summary.json").read_text())
+    assert summary["base_dequantized_from_nf4"] is True
+    assert "not re-quantised" in summary["note"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         got = hf(_ids()[None, : LENGTHS[0]]).logits[0]

@@ -1,40 +1,55 @@
 """Merged export: fold the LoRA deltas into the base weights and write a plain HF checkpoint.
 
-Expert LoRA on MoE models is folded into the stacked expert weights, which the family's
-`hf_tensors` then writes in the hub layout.
-
-A QLoRA base is first dequantised (to the compute dtype, never re-quantised), so the merged
-model is a full-precision checkpoint that `transformers` loads unchanged.
+A QLoRA base is first dequantised (to the compute dtype: bf16 on GPU, float32 on CPU) and
+never re-quantised, so the merged model is a full-precision checkpoint that `transformers`
+loads unchanged. What was done is written beside it in `export_summary.json`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from slipstream.checkpoint.hf import save_model
+from slipstream.checkpoint.hf import atomic_write_text, save_model
 from slipstream.models.common import CausalLM
+
+SUMMARY_FILE = "export_summary.json"
 
 
 def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Merge LoRA (if any) into `model` in place; save it and the tokenizer at `directory`."""
     from slipstream.peft.lora import lora_modules, merge_lora
+    from slipstream.peft.lora_experts import expert_lora_modules, merge_expert_lora
 
-    if _is_quantized(model):
+    dequantized = _is_quantized(model)
+    if dequantized:
         from slipstream.peft.qlora import dequantize_model
 
         dequantize_model(model)
-    # merge_lora also folds expert LoRA (MoE `target_parameters`) into the stacked experts.
-    if lora_modules(model) or (getattr(model, "lora_config", None) or {}).get("target_parameters"):
+    merged = [*lora_modules(model), *expert_lora_modules(model)]
+    if expert_lora_modules(model):
+        merge_expert_lora(model)
+    if lora_modules(model):
         merge_lora(model)
     out = save_model(model, directory)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    summary = {
+        "lora_modules_merged": len(merged),
+        "base_dequantized_from_nf4": dequantized,
+        "dtype": dtype,
+        "note": (
+            f"NF4 base dequantised to {dtype} and LoRA added in {dtype}; not re-quantised."
+            if dequantized
+            else f"LoRA folded into the {dtype} base weights."
+        ),
+    }
+    atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return out
 
 
 def _is_quantized(model: CausalLM) -> bool:
-    return any(type(m).__name__ in ("Linear4bit", "Params4bit") for m in model.modules()) or any(
-        type(p).__name__ == "Params4bit" for p in model.parameters()
-    )
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
