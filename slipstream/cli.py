@@ -13,6 +13,7 @@ traceback; set SLIPSTREAM_DEBUG=1 to get one for user errors too.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -100,8 +101,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(str(adapter) if has_tokenizer else args.base)
     model = load_model(args.base)
     load_adapter(model, adapter)
-    export_merged(model, args.out, tokenizer=tokenizer)
-    print(f"slipstream: merged model written to {args.out}")
+    out = export_merged(model, args.out, tokenizer=tokenizer)
+    note = json.loads((out / "export_summary.json").read_text())["note"]
+    print(f"slipstream: merged model written to {out} ({note})")
     return 0
 
 
