@@ -170,6 +170,14 @@ def test_targets_on_moe_models(tmp_path):
     assert list(lora.lora_modules(model)) == ["model.layers.0.mlp.up_proj"]
 
 
+def test_default_targets_on_a_pure_moe_model(checkpoint):
+    """No dense MLP at all: the default's gate/up/down names go to the experts, no error."""
+    _, path = checkpoint
+    cfg = apply_lora(slipstream.load_model(path), rank=2, alpha=4).lora_config
+    assert cfg["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 def test_user_errors(checkpoint, tmp_path):
     _, path = checkpoint
     model = slipstream.load_model(path)
