@@ -79,6 +79,9 @@ class TrainSection(_Section):
     log_every: int = Field(10, gt=0)
     activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Under torchrun: auto = ddp for LoRA/QLoRA, fsdp (FSDP2) for full fine-tuning.
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    dist_timeout_s: float = Field(1800.0, gt=0)  # a rank waits this long in a collective
     # MoE load-balancing loss weight; null: the checkpoint's own (config.json's
     # router_aux_loss_coef if output_router_logits, else off); 0: off
     router_aux_loss_coef: float | None = Field(None, ge=0)

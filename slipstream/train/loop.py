@@ -10,6 +10,12 @@ by the labelled-token count of the whole accumulation window (a host int from th
 no sync). So `grad_accum=4` with a quarter of the token budget gives the same update as one
 full batch, and long and short examples weigh per token, not per batch.
 
+Under torchrun (`slipstream.distributed`, docs/distributed.md) each global step's
+`grad_accum * world` micro-batches are drawn from the same seeded stream and rank r takes
+every world-th, and the divisor is the labelled-token count of the whole step over all ranks
+(one all-reduce on the device): N ranks make the update one process makes with the same
+global batch. Logging, the progress bar and saving happen on rank 0.
+
 Host syncs: none inside the micro-batch loop. The loss and grad norm are read to the host
 once per *logged* step (`.tolist()` of two numbers; three with a MoE router aux loss, which
 is reported as `aux_loss`), outside model code; evaluation reads
@@ -21,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 
+from slipstream import distributed as dist
 from slipstream.config import RunConfig, check_output_dir, write_resolved_config
 from slipstream.models.moe_block import (
     moe_aux_loss,
@@ -71,13 +77,21 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     """Run the fine-tuning job `cfg` describes; returns the run summary (also written)."""
     t = cfg.train
     out = check_output_dir(cfg.output_dir)
-    write_resolved_config(cfg, out)
-    device = resolve_device(t.device)
-    seed_everything(t.seed)
+    device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
+    world, rank = dist.world_size(), dist.rank()
+    mode = dist.resolve_mode(
+        t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization
+    )
+    if dist.is_main():
+        write_resolved_config(cfg, out)
+    seed_everything(t.seed)  # the same seed on every rank: identical initial weights
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     data = build_data(cfg, tokenizer)
     model = model if model is not None else build_model(cfg, device)
+    model = dist.wrap_model(model, mode, device)
+    if world > 1:
+        torch.manual_seed(t.seed + rank)  # but each rank its own dropout draws
     params = [p for p in model.parameters() if p.requires_grad]
     full = cfg.lora.method == "full"
 
@@ -85,7 +99,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         model.named_parameters(), lr=t.lr, weight_decay=t.weight_decay, device=device
     )
     epochs = t.epochs if t.epochs is not None else 1.0
-    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / t.grad_accum)
+    per_step = t.grad_accum * world  # micro-batches in one optimizer step, all ranks together
+    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step)
     scheduler = build_schedule(
         optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
     )
@@ -96,15 +111,15 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         start_step = state["step"]
         tokens_total = state["extra"].get("tokens", 0)
         eval_before = state["extra"].get("eval_loss_before")
-        print(f"slipstream: resuming from {checkpoint} (step {start_step})", file=sys.stderr)
+        dist.print_main(f"slipstream: resuming from {checkpoint} (step {start_step})")
 
-    log = MetricsLog(out, total_steps=total_steps, start_step=start_step)
+    log = MetricsLog(out, total_steps=total_steps, start_step=start_step, enabled=dist.is_main())
     if start_step == 0 and data.eval:
         eval_before = evaluate(model, data.eval, data.eval_batches, device)
         log.log({"step": 0, "eval_loss": eval_before, "eval_ppl": perplexity(eval_before)})
 
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
-    stream = micro_batch_stream(len(data.train_batches), t.seed, start=start_step * t.grad_accum)
+    stream = micro_batch_stream(len(data.train_batches), t.seed, start=start_step * per_step)
     flop_rate = peak_flops(device)
     flops_tok = flops_per_token(sum(p.numel() for p in model.parameters()), full)
     clip = t.clip if t.clip is not None else math.inf
@@ -113,15 +128,14 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     log_aux = router_aux_loss_coef(model) > 0
     interval_labels = interval_tokens = 0
     last_time, run_start = time.perf_counter(), time.perf_counter()
-    status, step, last_loss = "completed", start_step, None
+    status, step, last_loss, stopping = "completed", start_step, None, False
     model.train()
     with StopSignal() as stop:
         for step in range(start_step + 1, total_steps + 1):
-            window = [
-                collate_batch(data.train, data.train_batches[next(stream)], device)
-                for _ in range(t.grad_accum)
-            ]
-            loss_sum += accumulate_gradients(model, window, aux_sum)
+            mine = [next(stream) for _ in range(per_step)][rank::world]
+            window = [collate_batch(data.train, data.train_batches[i], device) for i in mine]
+            num_labels = dist.step_label_count(sum(b.num_labels for b in window), device)
+            loss_sum += accumulate_gradients(model, window, aux_sum, num_labels=num_labels)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
             scheduler.step()
@@ -129,11 +143,21 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             interval_labels += sum(b.num_labels for b in window)
             interval_tokens += sum(b.input_ids.numel() for b in window)
 
-            if step % t.log_every == 0 or step == total_steps or stop.requested:
-                # The one host sync of a logged step: loss, grad norm (and aux) in one transfer.
-                values = [loss_sum / max(interval_labels, 1), grad_norm.float()]
-                values += [aux_sum / max(interval_labels, 1)] if log_aux else []
-                last_loss, norm, *aux = torch.stack(values).tolist()
+            # Under torchrun ranks agree on a stop at logged steps (a signal may reach them
+            # in different steps); one process stops in the step the signal came in.
+            if step % t.log_every == 0 or step == total_steps or stop.requested and world == 1:
+                # The one host sync of a logged step: sums over ranks (one collective under
+                # torchrun) and the grad norm in one transfer.
+                sums = dist.sum_over_ranks(
+                    [loss_sum, aux_sum, interval_labels, interval_tokens, stop.requested], device
+                )
+                norm_1 = dist.full_tensor(grad_norm).double().view(1)
+                loss_total, aux_total, labels, tokens, stops, norm = torch.cat(
+                    [sums, norm_1]
+                ).tolist()
+                last_loss = loss_total / max(labels, 1)
+                aux = [aux_total / max(labels, 1)] if log_aux else []
+                interval_tokens, stopping = int(tokens), stops > 0
                 now = time.perf_counter()
                 tokens_per_s = interval_tokens / max(now - last_time, 1e-9)
                 tokens_total += interval_tokens
@@ -162,7 +186,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 log.log({"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss)})
                 last_time = time.perf_counter()  # keep eval time out of tokens/s
             saving = t.save_every and step % t.save_every == 0 and step < total_steps
-            if saving or stop.requested:
+            if saving or stopping:
                 extra = {
                     "config": cfg.model_dump(mode="json"),
                     "tokens": tokens_total + interval_tokens,
@@ -173,12 +197,11 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                     extra=extra, keep=t.keep_checkpoints,
                 )  # fmt: skip
                 last_time = time.perf_counter()  # keep save time out of tokens/s
-            if stop.requested:
+            if stopping:
                 status = "interrupted"
-                print(
-                    f"\nslipstream: stopped by signal {stop.received} at step {step}; "
-                    f"checkpoint saved; rerun with resume=true to continue",
-                    file=sys.stderr,
+                dist.print_main(
+                    f"\nslipstream: stopped by signal {stop.received or 'on another rank'} at "
+                    f"step {step}; checkpoint saved; rerun with resume=true to continue"
                 )
                 break
 
@@ -187,9 +210,12 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         if data.eval:
             eval_after = evaluate(model, data.eval, data.eval_batches, device)
             log.log({"step": step, "eval_loss": eval_after, "eval_ppl": perplexity(eval_after)})
-        save_result(model, tokenizer, out, cfg)
+        # FSDP2: every rank helps gather the weights; rank 0 writes them.
+        result = dist.unsharded(model, lambda: build_model(cfg, torch.device("cpu")))
+        if dist.is_main():
+            save_result(result, tokenizer, out, cfg)
     log.close()
-    plot = plot_losses(log.path, out / "loss.png")
+    plot = plot_losses(log.path, out / "loss.png") if dist.is_main() else None
     summary = {
         "status": status,
         "steps": step,
@@ -213,12 +239,17 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         "loss_plot": str(plot) if plot else None,
         "output_dir": str(out),
     }
-    write_json(out / "summary.json", summary)
+    if dist.is_main():
+        write_json(out / "summary.json", summary)
+    dist.close()
     return summary
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, window: list[Any], aux_sum: torch.Tensor | None = None
+    model: torch.nn.Module,
+    window: list[Any],
+    aux_sum: torch.Tensor | None = None,
+    num_labels: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Backward over one accumulation window; returns the summed loss (a device tensor).
 
@@ -228,14 +259,17 @@ def accumulate_gradients(
     micro-batch contributes transformers' `loss + coef * aux`. Its label-weighted sum is
     added into `aux_sum` when given. No host sync here.
     """
-    num_labels = max(sum(b.num_labels for b in window), 1)  # host ints from the collator
+    if num_labels is None:  # under torchrun: the whole step's count over all ranks
+        num_labels = max(sum(b.num_labels for b in window), 1)  # host ints from the collator
     coef = router_aux_loss_coef(model)  # a Python float
+    world = dist.world_size()  # DDP and FSDP average gradients over ranks; we want the sum
     total = None
-    for batch in window:
-        loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum")
-        aux = moe_aux_loss(model)  # None unless a MoE block recorded router stats
-        objective = loss if aux is None else loss + (coef * batch.num_labels) * aux
-        (objective / num_labels).backward()
+    for i, batch in enumerate(window):
+        with dist.gradient_sync(model, enabled=i == len(window) - 1):
+            loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum")
+            aux = moe_aux_loss(model)  # None unless a MoE block recorded router stats
+            objective = loss if aux is None else loss + (coef * batch.num_labels) * aux
+            (objective * world / num_labels).backward()
         total = loss.detach() if total is None else total + loss.detach()
         if aux is not None and aux_sum is not None:
             aux_sum += aux.detach() * batch.num_labels
@@ -285,21 +319,26 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     train_rows, eval_rows = load_split(
         d.train, eval_source=d.eval, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
     )
-    examples, report = tokenize_rows(train_rows, tokenizer, **options)
+
+    # Under torchrun each rank tokenizes a slice of the rows and all get every example back,
+    # in row order: every rank packs the same batches, as one process would.
+    def tokenize(rows):
+        return tokenize_rows(rows, tokenizer, **options)
+
+    examples, report = dist.tokenize_sharded(tokenize, train_rows, "train")
     if not examples:
         raise ValueError(f"data.train: no usable examples in '{d.train}' ({report.summary()})")
     eval_examples = []
     if eval_rows is not None:
-        eval_examples, _ = tokenize_rows(eval_rows, tokenizer, **options)
+        eval_examples, _ = dist.tokenize_sharded(tokenize, eval_rows, "eval")
     lengths = [len(ex.input_ids) for ex in examples]
     train_batches = pack_examples(lengths, t.tokens_per_batch)
     eval_lengths = [len(ex.input_ids) for ex in eval_examples]
     eval_batches = pack_examples(eval_lengths, t.tokens_per_batch) if eval_examples else []
     efficiency = packing_efficiency(lengths, train_batches, t.tokens_per_batch)
-    print(
+    dist.print_main(
         f"slipstream: {len(examples)} train / {len(eval_examples)} eval examples, "
-        f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}",
-        file=sys.stderr,
+        f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}"
     )
     return RunData(examples, train_batches, eval_examples, eval_batches, report, efficiency)
 

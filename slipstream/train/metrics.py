@@ -46,16 +46,24 @@ def peak_memory_gb(device: torch.device) -> float | None:
 class MetricsLog:
     """Writes metrics lines, TensorBoard scalars and the progress bar for one run."""
 
-    def __init__(self, output_dir: Path, *, total_steps: int, start_step: int) -> None:
+    def __init__(
+        self, output_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True
+    ) -> None:
+        """`enabled=False` (every rank but 0 under torchrun): writes and shows nothing."""
         self.path = output_dir / "metrics.jsonl"
-        _truncate_after(self.path, start_step)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._tb = _tensorboard_writer(output_dir / "tensorboard")
+        self._file = self._tb = None
+        if enabled:
+            _truncate_after(self.path, start_step)
+            self._file = self.path.open("a", encoding="utf-8")
+            self._tb = _tensorboard_writer(output_dir / "tensorboard")
         self.bar = tqdm(
-            total=total_steps, initial=start_step, desc="train", unit="step", disable=None
-        )
+            total=total_steps, initial=start_step, desc="train", unit="step",
+            disable=None if enabled else True,
+        )  # fmt: skip
 
     def log(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -73,7 +81,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self.bar.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -8,6 +8,11 @@ seeded by (seed, e), so the step number alone says where the data stream resumes
 
 Writes are atomic: the folder is written under a temporary name and renamed into place, so
 a run killed mid-save leaves the previous checkpoint as the latest one, never half a new one.
+
+Under torchrun `state.pt` holds every rank's RNG state and the world size (resume checks it).
+DDP replicas are identical, so rank 0 writes the parameters and optimizer as above; FSDP2
+shards are written beside `state.pt` by `torch.distributed.checkpoint`, each rank its own.
+The output dir must be on a file system every node sees.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from slipstream import distributed as dist
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -54,27 +61,38 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write `checkpoints/step-{step:06d}` atomically; keep only the newest `keep`."""
+    """Write `checkpoints/step-{step:06d}` atomically; keep only the newest `keep`.
+
+    Under torchrun every rank calls this; rank 0 writes `state.pt` and renames.
+    """
     root = Path(output_dir) / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if dist.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()  # the folder exists before any rank writes its shards into it
     state = {
         "step": step,
-        "model": trainable_state(model),
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
+        "rng": dist.gather_objects(rng_state()),  # one per rank: dropout draws differ
+        "world_size": dist.world_size(),
         "extra": extra or {},
     }
-    torch.save(state, tmp / "state.pt")
-    if final.exists():  # the same step saved twice (e.g. a signal right after a save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_sharded(model):
+        dist.save_sharded(tmp, model, optimizer)
+    else:
+        state["model"] = trainable_state(model)
+        state["optimizer"] = optimizer.state_dict()
+    if dist.is_main():
+        torch.save(state, tmp / "state.pt")
+        if final.exists():  # the same step saved twice (e.g. a signal right after a save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # no rank goes on (or resumes) before the checkpoint is in place
     return final
 
 
@@ -112,19 +130,28 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore parameters, optimizer, scheduler and RNG from `path`; returns the raw state."""
     state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-    params = dict(model.named_parameters())
-    missing = [n for n in state["model"] if n not in params]
-    if missing:
-        raise ValueError(
-            f"resume: checkpoint {path} has parameter '{missing[0]}' that this model lacks "
-            "(was it saved with another model or lora config?)"
-        )
-    with torch.no_grad():
-        for name, value in state["model"].items():
-            params[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
+    dist.check_world_size(state.get("world_size", 1), path)
+    if "model" not in state:  # written sharded (FSDP2)
+        if not dist.is_sharded(model):
+            raise ValueError(f"resume: {path} is sharded (FSDP); set train.parallel=fsdp")
+        dist.load_sharded(Path(path), model, optimizer)
+    else:
+        if dist.is_sharded(model):
+            raise ValueError(f"resume: checkpoint {path} is not sharded; set train.parallel=ddp")
+        params = dict(model.named_parameters())
+        missing = [n for n in state["model"] if n not in params]
+        if missing:
+            raise ValueError(
+                f"resume: checkpoint {path} has parameter '{missing[0]}' that this model lacks "
+                "(was it saved with another model or lora config?)"
+            )
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                params[name].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    rng = state["rng"]
+    set_rng_state(rng[dist.rank()] if isinstance(rng, list) else rng)
     return state
 
 

@@ -1,0 +1,331 @@
+"""Data-parallel training under torchrun: the process group, DDP or FSDP2, and the few
+collectives the trainer needs. Without torchrun (no WORLD_SIZE, or 1) every function here is
+a no-op or the identity, so the single-process trainer runs exactly as before.
+
+    torchrun --nproc_per_node 8 -m slipstream train run.yaml        (docs/distributed.md)
+
+Modes (`train.parallel`): "ddp" keeps a full replica per rank and all-reduces gradients
+(LoRA/QLoRA: the trainable state is tiny); "fsdp" shards parameters, gradients and optimizer
+state with FSDP2 `fully_shard`, one unit per decoder layer, then the root (full fine-tuning).
+"auto": none for one process, ddp for LoRA, fsdp for full fine-tuning.
+
+The step's gradient equals one process's with the same global batch: every rank holds the
+same packed batches, each global step draws `grad_accum * world` micro-batches from the one
+seeded stream and rank r takes every world-th; each micro-batch's summed loss is divided by
+the labelled-token count of the *whole* step (one all-reduce per step, on the device) and
+multiplied by the world size, because DDP and FSDP average gradients over ranks.
+
+Collectives per optimizer step: one (the label count) plus the gradient reduction; a logged
+step adds one (loss, token counts and the stop flag, summed). Checkpoints under FSDP2 are
+written with `torch.distributed.checkpoint` (each rank its shards); under DDP rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MODES = ("auto", "none", "ddp", "fsdp")
+
+_DDP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its DDP wrapper
+_OBJECT_GROUP: Any = None  # a gloo group for Python objects (NCCL would stage them on the GPU)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def print_main(*args: Any) -> None:
+    """Print to stderr on rank 0 only (one copy of each message, not one per rank)."""
+    if is_main():
+        print(*args, file=sys.stderr, flush=True)
+
+
+def init(device: torch.device, *, timeout_s: float) -> torch.device:
+    """Join the process group torchrun describes in the environment; this rank's device.
+
+    NCCL on CUDA (device cuda:LOCAL_RANK), gloo on CPU. `timeout_s` bounds how long a rank
+    waits in a collective for a peer that died or diverged, so a failure never hangs forever.
+    """
+    global _OBJECT_GROUP
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _OBJECT_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    return device
+
+
+def close() -> None:
+    """Leave the process group (every rank, at the end of a run)."""
+    global _OBJECT_GROUP
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _OBJECT_GROUP = None
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a list of one without torchrun)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, value, group=_OBJECT_GROUP)
+    return out
+
+
+def resolve_mode(mode: str, *, method: str, quantization: str) -> str:
+    """The parallel mode for this run: "none", "ddp" or "fsdp" (see the module docstring)."""
+    world = world_size()
+    if mode not in MODES:
+        raise ValueError(f"train.parallel = {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "auto":
+        mode = "none" if world == 1 else ("fsdp" if method == "full" else "ddp")
+    if mode == "none" and world > 1:
+        raise ValueError(
+            f"train.parallel=none but torchrun started {world} processes; "
+            "use ddp or fsdp (or auto), or run one process"
+        )
+    if mode == "fsdp" and quantization != "none":
+        raise ValueError("train.parallel=fsdp cannot shard NF4 weights; use ddp for QLoRA")
+    return mode if world > 1 else "none"
+
+
+class _LossForward(nn.Module):
+    """DDP reduces the gradients of what runs through its `forward`; the trainer calls
+    `model.loss`, so DDP wraps this module whose forward is the model's loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return type(self.model).loss(self.model, *args, **kwargs)
+
+
+def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """Make `model` data-parallel in place; returns the same object.
+
+    The trainer keeps calling `model.loss`, `model.parameters()` and `save_*` on it: under
+    DDP `model.loss` is routed through the DDP wrapper (parameter names unchanged); under
+    FSDP2 the parameters become sharded DTensors (names unchanged).
+    """
+    if mode == "none":
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        # Buffers (RoPE tables) never change: broadcasting them each forward is a collective
+        # per micro-batch for nothing.
+        ddp = DistributedDataParallel(_LossForward(model), device_ids=ids, broadcast_buffers=False)
+        _DDP[model] = ddp
+        # An instance attribute shadows the method (a bound method, so not a submodule).
+        model.loss = ddp.__call__
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    try:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+    except ImportError:  # torch < 2.5 keeps it in the private module
+        from torch.distributed._composable.fsdp import register_fsdp_forward_method
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    # The root all-gathers its own weights (embeddings, final norm, head) around `forward`;
+    # the trainer calls `loss`, which must get the same hooks.
+    register_fsdp_forward_method(model, "loss")
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients over ranks in this backward only if `enabled` (the window's last
+    micro-batch): accumulation stays local, one reduction per optimizer step."""
+    ddp = _DDP.get(model)
+    if ddp is not None:
+        with nullcontext() if enabled else ddp.no_sync():
+            yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+
+
+def step_label_count(num_labels: int, device: torch.device) -> int | torch.Tensor:
+    """Labelled tokens of the whole optimizer step over all ranks (at least 1).
+
+    One process: the host int. Under torchrun: a device tensor, all-reduced without a host
+    sync (`torch.full` writes it on the device; `torch.tensor` would copy and synchronize).
+    """
+    if world_size() == 1:
+        return max(num_labels, 1)
+    count = torch.full((), num_labels, dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    return count.clamp_(min=1)
+
+
+def sum_over_ranks(values: list[Any], device: torch.device) -> torch.Tensor:
+    """The elementwise sum over ranks of a few numbers (tensors or host numbers), in float64."""
+    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if world_size() > 1:
+        dist.all_reduce(flat)
+    return flat
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2's grad norm, sharded parameters); plain tensors as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_rows(rows: Any) -> tuple[Any, int]:
+    """This rank's contiguous slice of `rows` (a datasets.Dataset or list) and its first index."""
+    n, world, r = len(rows), world_size(), rank()
+    start, stop = n * r // world, n * (r + 1) // world
+    if hasattr(rows, "select"):
+        return rows.select(range(start, stop)), start
+    return rows[start:stop], start
+
+
+def tokenize_sharded(tokenize: Callable[[Any], tuple[list, Any]], rows: Any, what: str):
+    """`tokenize(rows)` -> (examples, report), each rank on its slice, then every rank gets
+    all examples in row order. A rank's error is gathered too and raised on every rank with
+    that rank's message, so a bad shard stops the job at once instead of leaving the other
+    ranks waiting in the next collective."""
+    if world_size() == 1:
+        return tokenize(rows)
+    mine, start = shard_rows(rows)
+    result, error = None, None
+    try:
+        result = tokenize(mine)
+    except (ValueError, FileNotFoundError) as e:
+        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {e}"
+        print(f"slipstream: error: {error}", file=sys.stderr, flush=True)
+    gathered = gather_objects((result, error))
+    failed = [err for _, err in gathered if err is not None]
+    if failed:
+        raise ValueError(failed[0])
+    examples = [ex for part, _ in gathered for ex in part[0]]
+    return examples, merge_reports([part[1] for part, _ in gathered])
+
+
+def merge_reports(reports: list[Any]) -> Any:
+    """Sum per-rank DataReports (counts add; the first skip reason wins)."""
+    first = reports[0]
+    merged = type(first)()
+    for report in reports:
+        for name, value in vars(report).items():
+            current = getattr(merged, name)
+            if isinstance(value, Counter):
+                current.update(value)
+            elif isinstance(value, int):
+                setattr(merged, name, current + value)
+            elif not current:
+                setattr(merged, name, value)
+    return merged
+
+
+def unsharded(model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
+    """A plain model with the trained weights, for adapter or merged export.
+
+    Not sharded: `model` itself. FSDP2: every rank joins in gathering each trainable
+    parameter (one all-gather each); rank 0 loads them into `rebuild()` (the base model built
+    on the CPU) and returns it; other ranks return None.
+    """
+    if not is_sharded(model):
+        return model
+    trained = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            value = full_tensor(p.detach())
+            if is_main():
+                trained[name] = value.cpu()
+    if not is_main():
+        return None
+    plain = rebuild()
+    params = dict(plain.named_parameters())
+    with torch.no_grad():
+        for name, value in trained.items():
+            params[name].copy_(value)
+    return plain
+
+
+def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Trainable parameters and optimizer state with torch.distributed.checkpoint (every
+    rank writes its own shards into `path`)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(path))
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    weights = {k: v for k, v in get_model_state_dict(model).items() if k in trainable}
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def check_world_size(saved: int, path: Any) -> None:
+    """Resume needs the world size the checkpoint was written with: the data stream's split
+    over ranks and (FSDP2) the shards depend on it."""
+    world = world_size()
+    if saved != world:
+        raise ValueError(
+            f"resume: checkpoint {path} was written by {saved} process(es) but this run has "
+            f"{world}; resume with --nproc_per_node/--nnodes giving {saved} processes"
+        )

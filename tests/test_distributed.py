@@ -1,0 +1,160 @@
+"""Data-parallel training under torchrun on CPU: gloo, 2 processes, a tiny random Llama.
+
+Checks: 2-rank DDP and 2-rank FSDP2 (grad_accum 2 each) log the same per-step losses and
+save the same adapter as one process with grad_accum 4 (the same global batch); a sharded
+(FSDP2) checkpoint resumed under torchrun continues with the same losses; resuming it with
+another world size is a clear error; a malformed row in rank 1's share of the data stops the
+job quickly with rank 1's message.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from slipstream.config import config_from_dict
+from slipstream.train import train
+from tests.test_train import chat_rows, losses, one_thread, tiny_run  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+
+
+def lora_config(tiny_run, out, **train):  # noqa: F811
+    model_dir, data = tiny_run
+    return {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(data), "eval_fraction": 0.125},
+        "lora": {"method": "lora", "rank": 4, "alpha": 8},
+        "train": {
+            "lr": 2e-2, "steps": STEPS, "tokens_per_batch": 128, "warmup_steps": 1,
+            "log_every": 1, "save_every": 3, "device": "cpu", "dist_timeout_s": 60, **train,
+        },
+        "output_dir": str(out),
+    }  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(raw: dict, tmp: Path, *overrides: str, timeout: float = 120):
+    """`python -m torch.distributed.run --nproc_per_node 2 -m slipstream train` on `raw`."""
+    config = tmp / f"run-{time.monotonic_ns()}.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "-m", "slipstream", "train", str(config), *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def check(result) -> None:
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "adapter_model.safetensors")
+
+
+def eval_losses(out: Path) -> list[float]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in lines if "eval_loss" in r]
+
+
+def metrics(out: Path, key: str) -> dict[int, float]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r}
+
+
+def assert_same_run(a: Path, b: Path, steps=range(1, STEPS + 1)) -> None:
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == list(steps), lb
+    for step in steps:
+        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
+    # Adam hides a wrong gradient scale from the losses (its update is nearly
+    # scale-free); the gradient norm shows it: ranks must sum, not average.
+    na, nb = metrics(a, "grad_norm"), metrics(b, "grad_norm")
+    for step in steps:
+        assert nb[step] == pytest.approx(na[step], rel=1e-4), (step, na[step], nb[step])
+    ta, tb = adapter(a), adapter(b)
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_run, tmp_path_factory):  # noqa: F811
+    """One process with grad_accum 4, then 2-rank DDP and FSDP2 with grad_accum 2 each."""
+    tmp = tmp_path_factory.mktemp("dist")
+    train(config_from_dict(lora_config(tiny_run, tmp / "single", grad_accum=4)))
+    for mode in ("ddp", "fsdp"):
+        raw = lora_config(tiny_run, tmp / mode, grad_accum=2, parallel=mode)
+        check(torchrun(raw, tmp))
+    return tmp
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(runs, mode):
+    single, multi = runs / "single", runs / mode
+    assert_same_run(single, multi)
+    # The eval loss (every rank evaluates the whole held-out set) moved the same way.
+    ev_single, ev_multi = eval_losses(single), eval_losses(multi)
+    assert len(ev_multi) == 2 and ev_multi[1] < ev_multi[0]
+    assert ev_multi == pytest.approx(ev_single, abs=1e-5)
+    summary = json.loads((multi / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    done = json.loads((single / "summary.json").read_text())
+    assert summary["tokens_trained"] == done["tokens_trained"]
+    # Rank 0 alone wrote the metrics: one line per step, not two.
+    lines = (multi / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS + 2
+
+
+def test_fsdp_checkpoint_is_sharded_and_resumes(runs, tiny_run, tmp_path):  # noqa: F811
+    ckpt = runs / "fsdp" / "checkpoints" / "step-000003"
+    assert sorted(p.suffix for p in ckpt.iterdir() if p.suffix == ".distcp") == [".distcp"] * 2
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2 and "model" not in state
+    out = tmp_path / "resumed"
+    raw = {**lora_config(tiny_run, out, grad_accum=2, parallel="fsdp"), "resume": str(ckpt)}
+    check(torchrun(raw, tmp_path))
+    assert_same_run(runs / "fsdp", out, steps=range(4, STEPS + 1))
+
+
+def test_resume_with_another_world_size_is_an_error(runs, tiny_run, tmp_path):  # noqa: F811
+    ckpt = runs / "ddp" / "checkpoints" / "step-000003"
+    raw = {**lora_config(tiny_run, tmp_path / "one", grad_accum=4), "resume": str(ckpt)}
+    with pytest.raises(ValueError, match="written by 2 process.*this run has 1"):
+        train(config_from_dict(raw))
+
+
+def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):  # noqa: F811
+    """Rank 1 tokenizes the second half of the rows; its malformed row (strict mode) must
+    bring both ranks down at once with rank 1's message, not leave rank 0 waiting."""
+    rows = chat_rows(24) + [{"messages": [{"role": "user", "content": "no reply"}]}]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = lora_config(tiny_run, tmp_path / "out", grad_accum=2)
+    raw["data"] = {"train": str(data), "strict": True}
+    start = time.monotonic()
+    result = torchrun(raw, tmp_path, timeout=90)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "rank 1 (train rows 12-24): data row 12" in result.stderr, result.stderr[-3000:]
+    assert elapsed < 60
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
