@@ -31,12 +31,10 @@ def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:
     each if its module exists; returns the names of what was applied."""
     features = []
     apply_lora = common.optional("slipstream.peft.lora", "apply_lora")
-    apply_expert_lora = common.optional("slipstream.peft.lora_experts", "apply_expert_lora")
     if apply_lora is not None:
         apply_lora(model, rank=8, alpha=16, targets="all-linear")
         features.append("lora")
-        if moe and apply_expert_lora is not None:
-            apply_expert_lora(model, rank=8, alpha=16)
+        if moe:  # all-linear also wraps the stacked experts of MoE blocks
             features.append("expert lora")
     else:
         model.requires_grad_(True)

@@ -6,7 +6,8 @@ counts by scatter_add -> grouped GEMMs over the offsets -> weighted gather back)
 experts and no host sync. Family files subclass it only to name the router as Hugging Face
 does (`mlp.gate` in Qwen3-MoE, `mlp.router` in GPT-OSS) and to give it an experts module with
 `gate_up(x_RD, plan)`, `activate(h_RF)` and `down(a_RI, plan)`; keeping the three steps
-separate is what lets expert LoRA (`slipstream.peft.lora_experts`) add its deltas.
+separate is what lets expert LoRA (`apply_lora`, see `slipstream.peft.lora_experts`) add
+its deltas.
 
 Auxiliary load-balancing loss: when a block's `aux_loss_coef` is > 0, each forward stores
 `router_stats` (per-expert routed-row counts and summed router probabilities, on the device);
