@@ -70,10 +70,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_output_dir(cfg.output_dir)  # before any expensive import or load
+    from slipstream.distributed import is_main
     from slipstream.train import train
 
     summary = train(cfg)
-    print(f"slipstream: {summary['status']} at step {summary['steps']}; output in {cfg.output_dir}")
+    status = f"{summary['status']} at step {summary['steps']}"
+    if is_main():  # under torchrun, one line for the job rather than one per process
+        print(f"slipstream: {status}; output in {cfg.output_dir}")
     return 0
 
 

@@ -22,8 +22,11 @@ written with `torch.distributed.checkpoint` (each rank its shards); under DDP ra
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import inspect
 import os
+import re
 import sys
 import weakref
 from collections import Counter
@@ -75,15 +78,23 @@ def init(device: torch.device, *, timeout_s: float) -> torch.device:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # A rank leaving on an error (exit status 2) must still tear its group down: a live
+        # group at interpreter exit aborts the process (SIGABRT) and hides the exit status.
+        atexit.register(_destroy)
     _OBJECT_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else None
     return device
 
 
 def close() -> None:
     """Leave the process group (every rank, at the end of a run)."""
-    global _OBJECT_GROUP
     if dist.is_initialized():
         dist.barrier()
+    _destroy()
+
+
+def _destroy() -> None:
+    global _OBJECT_GROUP
+    if dist.is_initialized():
         dist.destroy_process_group()
     _OBJECT_GROUP = None
 
@@ -143,10 +154,14 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ids = [device.index] if device.type == "cuda" else None
+        kwargs: dict[str, Any] = {"broadcast_buffers": False}
         # Buffers (RoPE tables) never change: broadcasting them each forward is a collective
-        # per micro-batch for nothing.
-        ddp = DistributedDataParallel(_LossForward(model), device_ids=ids, broadcast_buffers=False)
+        # per micro-batch for nothing. Every rank loaded the same weights with the same seed,
+        # so the start-up broadcast of the whole model (frozen base too) is skipped as well.
+        if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            kwargs["init_sync"] = False
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(_LossForward(model), device_ids=ids, **kwargs)
         _DDP[model] = ddp
         # An instance attribute shadows the method (a bound method, so not a submodule).
         model.loss = ddp.__call__
@@ -236,11 +251,13 @@ def tokenize_sharded(tokenize: Callable[[Any], tuple[list, Any]], rows: Any, wha
     try:
         result = tokenize(mine)
     except (ValueError, FileNotFoundError) as e:
-        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {e}"
-        print(f"slipstream: error: {error}", file=sys.stderr, flush=True)
+        # tokenize_rows numbers rows from 0 in the slice it got: give the split's number.
+        text = re.sub(r"data row (\d+)", lambda m: f"data row {start + int(m[1])}", str(e))
+        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {text}"
     gathered = gather_objects((result, error))
     failed = [err for _, err in gathered if err is not None]
     if failed:
+        barrier()  # leave together: a rank tearing gloo down under a peer can abort it
         raise ValueError(failed[0])
     examples = [ex for part, _ in gathered for ex in part[0]]
     return examples, merge_reports([part[1] for part, _ in gathered])

@@ -143,6 +143,28 @@ def test_resume_with_another_world_size_is_an_error(runs, tiny_run, tmp_path):  
         train(config_from_dict(raw))
 
 
+def test_full_finetune_defaults_to_fsdp_and_exports_the_full_model(tiny_run, tmp_path):  # noqa: F811
+    """parallel=auto shards a full fine-tune; rank 0 writes the gathered weights."""
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    for out, accum in ((single, 4), (multi, 2)):
+        raw = lora_config(tiny_run, out, grad_accum=accum, steps=3, lr=3e-3, save_every=0)
+        raw["lora"] = {"method": "full"}
+        if out == single:
+            train(config_from_dict(raw))
+        else:
+            result = torchrun(raw, tmp_path)
+            check(result)
+    assert "fsdp" in result.stderr  # the resolved mode is announced
+    la, lb = losses(single), losses(multi)
+    assert sorted(lb) == [1, 2, 3]
+    for step in la:
+        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
+    wa, wb = load_file(single / "model.safetensors"), load_file(multi / "model.safetensors")
+    assert wa.keys() == wb.keys() and len(wa) > 5
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=2e-5, rtol=1e-4)
+
+
 def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):  # noqa: F811
     """Rank 1 tokenizes the second half of the rows; its malformed row (strict mode) must
     bring both ranks down at once with rank 1's message, not leave rank 0 waiting."""
@@ -155,6 +177,6 @@ def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):
     result = torchrun(raw, tmp_path, timeout=90)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
-    assert "rank 1 (train rows 12-24): data row 12" in result.stderr, result.stderr[-3000:]
+    assert "rank 1 (train rows 12-24): data row 24" in result.stderr, result.stderr[-3000:]
     assert elapsed < 60
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()

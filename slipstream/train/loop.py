@@ -91,6 +91,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     model = model if model is not None else build_model(cfg, device)
     model = dist.wrap_model(model, mode, device)
     if world > 1:
+        dist.print_main(f"slipstream: {world} processes, parallel={mode}, device={device.type}")
         torch.manual_seed(t.seed + rank)  # but each rank its own dropout draws
     params = [p for p in model.parameters() if p.requires_grad]
     full = cfg.lora.method == "full"
