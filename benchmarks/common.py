@@ -33,7 +33,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from slipstream.ops import attention  # noqa: E402
 from slipstream.ops.packing import SeqInfo  # noqa: E402
@@ -197,15 +196,7 @@ def rebuild_attend(q_THD, k_TGD, v_TGD, seq, window=None, sinks=None, scale=None
         fresh = SeqInfo.from_lengths(rebuild_lengths(seq), q_THD.device)
         return _ORIGINAL_ATTEND(q_THD, k_TGD, v_TGD, fresh, window, sinks, scale)
     mask_TT = rebuild_mask(seq, window, q_THD.device)
-    out_1HTD = F.scaled_dot_product_attention(
-        q_THD.transpose(0, 1)[None],
-        k_TGD.transpose(0, 1)[None],
-        v_TGD.transpose(0, 1)[None],
-        attn_mask=mask_TT,
-        scale=scale,
-        enable_gqa=k_TGD.shape[1] != q_THD.shape[1],
-    )
-    return out_1HTD[0].transpose(0, 1)
+    return attention.sdpa_masked(q_THD, k_TGD, v_TGD, mask_TT, scale)
 
 
 @contextlib.contextmanager

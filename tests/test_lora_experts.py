@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from helpers.models import shifted_labels
 from helpers.moe_models import make_hf_moe_model
 
 import slipstream
@@ -23,12 +24,6 @@ FAMILIES = ["qwen3_moe", "gpt_oss"]
 
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _shifted(ids_T: torch.Tensor) -> torch.Tensor:
-    labels = torch.full_like(ids_T, -100)
-    labels[:-1] = ids_T[1:]
-    return labels
 
 
 def _randomise_lora(model, seed: int) -> None:
@@ -74,7 +69,7 @@ def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, 
     pm = peft.PeftModel.from_pretrained(hf, tmp_path, is_trainable=True)
     ids = _ids(12, 5)
     ref = pm(input_ids=ids[None], labels=ids[None])
-    loss = ours.loss(ids, _shifted(ids), SeqInfo.from_lengths([12]))
+    loss = ours.loss(ids, shifted_labels(ids, [12]), SeqInfo.from_lengths([12]))
     with torch.no_grad():
         logits = ours(ids, SeqInfo.from_lengths([12]))
     torch.testing.assert_close(logits, ref.logits[0], atol=1e-4, rtol=1e-4)

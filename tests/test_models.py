@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import make_hf_model
+from helpers.models import make_hf_model, shifted_labels
 
 import slipstream
 from slipstream.ops.packing import SeqInfo
@@ -37,15 +37,6 @@ def pair(request, tmp_path_factory):
     return hf, slipstream.load_model(path)
 
 
-def _shifted(ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    labels = torch.full_like(ids_T, -100)
-    start = 0
-    for n in lengths:
-        labels[start : start + n - 1] = ids_T[start + 1 : start + n]
-        start += n
-    return labels
-
-
 def test_logits_match_transformers_per_sequence(pair):
     hf, ours = pair
     lengths = [7, 3, 12, 1]
@@ -66,7 +57,7 @@ def test_loss_and_grads_match_transformers(pair):
     ours.zero_grad()
     ref = hf(ids[None], labels=ids[None]).loss
     ref.backward()
-    loss = ours.loss(ids, _shifted(ids, [19]), SeqInfo.from_lengths([19]))
+    loss = ours.loss(ids, shifted_labels(ids, [19]), SeqInfo.from_lengths([19]))
     loss.backward()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     hf_grads = dict(hf.named_parameters())

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers.models import shifted_labels
 from helpers.moe_models import make_hf_moe_model
 from safetensors.torch import load_file, save_file
 
@@ -52,15 +53,6 @@ def pair(request, tmp_path_factory):
     return hf, slipstream.load_model(path), path
 
 
-def _shifted(ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    labels = torch.full_like(ids_T, -100)
-    start = 0
-    for n in lengths:
-        labels[start : start + n - 1] = ids_T[start + 1 : start + n]
-        start += n
-    return labels
-
-
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -86,7 +78,7 @@ def test_loss_and_grads_match_transformers(pair):
     ours.zero_grad()
     ref = hf(ids[None], labels=ids[None]).loss
     ref.backward()
-    loss = ours.loss(ids, _shifted(ids, [19]), SeqInfo.from_lengths([19]))
+    loss = ours.loss(ids, shifted_labels(ids, [19]), SeqInfo.from_lengths([19]))
     loss.backward()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     hf_params = dict(hf.named_parameters())
@@ -188,7 +180,7 @@ def test_no_host_syncs_forward_backward(model_type, num_experts):
     lengths = [9, 5, 13]
     seq = SeqInfo.from_lengths(lengths)
     ids = _ids(sum(lengths), 7)
-    labels = _shifted(ids, lengths)
+    labels = shifted_labels(ids, lengths)
     with count_syncs() as c:
         loss = model.loss(ids, labels, seq) + 0.01 * moe_aux_loss(model)
         loss.backward()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import make_hf_model
+from helpers.models import make_hf_model, shifted_labels
 
 import slipstream
 from slipstream.ops.packing import SeqInfo
@@ -30,14 +30,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 
 def _ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 97, (sum(LENGTHS),), generator=torch.Generator().manual_seed(seed))
-
-
-def _shifted(ids_T: torch.Tensor) -> torch.Tensor:
-    labels, start = torch.full_like(ids_T, -100), 0
-    for n in LENGTHS:
-        labels[start : start + n - 1] = ids_T[start + 1 : start + n]
-        start += n
-    return labels
 
 
 def _hf_nf4(path: Path):
@@ -63,15 +55,6 @@ def _one_cpu_path(model) -> None:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on 2 shared cores: one thread avoids spin-waiting (as in test_train)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +132,7 @@ def test_qlora_steps_lower_loss_and_change_only_lora(fp_dir):
     ids, seq = _ids(), SeqInfo.from_lengths(LENGTHS)
     losses = []
     for _ in range(6):
-        loss = model.loss(ids, _shifted(ids), seq)
+        loss = model.loss(ids, shifted_labels(ids, LENGTHS), seq)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -201,7 +184,7 @@ def test_adapter_from_nf4_model_loads_in_peft_on_bnb_transformers(fp_dir, hf_nf4
     ids, seq = _ids(), SeqInfo.from_lengths(LENGTHS)
     for _ in range(3):
         opt.zero_grad()
-        model.loss(ids, _shifted(ids), seq).backward()
+        model.loss(ids, shifted_labels(ids, LENGTHS), seq).backward()
         opt.step()
     slipstream.save_adapter(model, tmp_path / "adapter")
     hf = _hf_nf4(fp_dir)  # a fresh bnb model: PeftModel wraps it in place

@@ -41,15 +41,6 @@ def chat_rows(n: int) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on 2 shared cores: 2 threads spin-wait (11 ms a linear), 1 takes 65 us."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny HF Llama folder with tokenizer files, and a jsonl chat dataset."""

@@ -79,7 +79,11 @@ def dense_causal_mask(seq: SeqInfo, window: int | None = None) -> torch.Tensor:
 
 
 def _sdpa_dense(q_THD, k_TGD, v_TGD, seq, window, scale):
-    mask_TT = dense_causal_mask(seq, window)
+    return sdpa_masked(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
+
+
+def sdpa_masked(q_THD, k_TGD, v_TGD, mask_TT: torch.Tensor, scale: float | None = None):
+    """SDPA over the flat layout with an explicit (T, T) bool mask; GQA without copies."""
     out_1HTD = F.scaled_dot_product_attention(
         q_THD.transpose(0, 1)[None],
         k_TGD.transpose(0, 1)[None],

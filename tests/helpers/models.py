@@ -48,3 +48,13 @@ def make_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
 def save_hf_model(model, directory: Path) -> Path:
     model.save_pretrained(directory)
     return directory
+
+
+def shifted_labels(ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Next-token targets within each packed sequence; -100 at each sequence's last token."""
+    labels = torch.full_like(ids_T, -100)
+    start = 0
+    for n in lengths:
+        labels[start : start + n - 1] = ids_T[start + 1 : start + n]
+        start += n
+    return labels
