@@ -133,11 +133,9 @@ def dump_config(cfg: RunConfig) -> str:
 
 def write_resolved_config(cfg: RunConfig, output_dir: str | os.PathLike) -> Path:
     """Write the resolved config as `config.yaml` in the output dir (atomically)."""
-    target = Path(output_dir) / "config.yaml"
-    tmp = target.with_name(".config.yaml.tmp")
-    tmp.write_text(dump_config(cfg), encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+    from slipstream.checkpoint.atomic import atomic_write_text
+
+    return atomic_write_text(Path(output_dir) / "config.yaml", dump_config(cfg))
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> Path:

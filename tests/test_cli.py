@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.runs import run_config
 
 from slipstream import cli
-from tests.test_train import one_thread, run_config, tiny_run  # noqa: F401  (fixtures)
 
 
 def write_yaml(path: Path, raw: dict) -> Path:

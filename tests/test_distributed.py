@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.runs import chat_rows, losses
 from safetensors.torch import load_file
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
-from tests.test_train import chat_rows, losses, one_thread, tiny_run  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6

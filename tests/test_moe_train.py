@@ -9,6 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers.moe_models import make_hf_moe_model
+from helpers.runs import chat_rows
+from helpers.tokenizers import save_test_tokenizer
 
 import slipstream
 from slipstream import cli
@@ -19,9 +22,6 @@ from slipstream.ops.packing import SeqInfo
 from slipstream.peft.lora import apply_lora
 from slipstream.peft.lora_experts import expert_lora_modules
 from slipstream.train.loop import accumulate_gradients, build_model
-from tests.helpers.moe_models import make_hf_moe_model
-from tests.helpers.tokenizers import save_test_tokenizer
-from tests.test_train import chat_rows, one_thread  # noqa: F401  (fixture)
 
 FAMILIES = ["qwen3_moe", "gpt_oss"]
 VOCAB = 300

@@ -14,69 +14,12 @@ import signal
 import pytest
 import torch
 import yaml
+from helpers.runs import lora_with_dropout, losses, run_config
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
 from slipstream.train.loop import accumulate_gradients, build_data, build_model
 from slipstream.train.state import list_checkpoints
-from tests.helpers.models import make_hf_model
-from tests.helpers.tokenizers import save_test_tokenizer
-
-COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
-THINGS = ["sky", "grass", "sun", "snow", "coal", "car", "door", "cup", "hat", "ball"]
-
-
-def chat_rows(n: int) -> list[dict]:
-    rows = []
-    for i in range(n):
-        thing, color = THINGS[i % len(THINGS)], COLORS[(i * 3) % len(COLORS)]
-        rows.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"What color is the {thing}?"},
-                    {"role": "assistant", "content": f"The {thing} is {color}."},
-                ]
-            }
-        )
-    return rows
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A tiny HF Llama folder with tokenizer files, and a jsonl chat dataset."""
-    root = tmp_path_factory.mktemp("tiny")
-    model_dir = root / "model"
-    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    make_hf_model(
-        "llama",
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        initializer_range=0.2,  # at 0.02 the logits are ~uniform and LoRA cannot move them
-    ).save_pretrained(model_dir)
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
-    return model_dir, data
-
-
-def run_config(tiny_run, out, **train):
-    model_dir, data = tiny_run
-    return {
-        "model": {"path": str(model_dir)},
-        "data": {"train": str(data), "eval_fraction": 0.125},
-        "lora": {"method": "full"},
-        "train": {
-            "lr": 3e-3, "steps": 6, "tokens_per_batch": 128, "warmup_steps": 1,
-            "log_every": 1, "device": "cpu", "activation_checkpointing": "none", **train,
-        },
-        "output_dir": str(out),
-    }  # fmt: skip
-
-
-def losses(out) -> dict[int, float]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
 def test_full_finetune_loss_drops_and_writes_outputs(tiny_run, tmp_path):
@@ -127,12 +70,6 @@ def test_grad_accum_matches_one_big_batch(tiny_run, tmp_path):
 
 def _tensors(batch):
     return batch.input_ids, batch.labels, batch.seq
-
-
-def lora_with_dropout(raw):
-    # Dropout draws from the torch RNG every step: resume must restore the RNG exactly.
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.2}
-    return raw
 
 
 def test_resume_gives_the_same_losses(tiny_run, tmp_path):

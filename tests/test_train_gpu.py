@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from helpers.runs import lora_with_dropout, losses, run_config
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
-from tests.test_train import lora_with_dropout, losses, run_config, tiny_run  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from slipstream.checkpoint.hf import atomic_write_text, save_model
+from slipstream.checkpoint.atomic import atomic_write_text
+from slipstream.checkpoint.hf import save_model
 from slipstream.models.common import CausalLM
 
 SUMMARY_FILE = "export_summary.json"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
 from slipstream.models import family_for
 from slipstream.models.common import CausalLM
 
@@ -227,23 +227,4 @@ def _shard(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file so an interrupted write never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

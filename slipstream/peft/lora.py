@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from slipstream.checkpoint.atomic import atomic_write
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -212,19 +213,6 @@ def _wrap(
     return model
 
 
-def _write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename over `path`: a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_adapter(
     model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
 ) -> Path:
@@ -272,11 +260,11 @@ def save_adapter(
     if cfg.get("target_parameters"):  # only then: older PEFT versions lack the key
         config["target_parameters"] = cfg["target_parameters"]
     try:
-        _write_atomic(
+        atomic_write(
             out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})
         )
         text = json.dumps(config, indent=2) + "\n"
-        _write_atomic(out / ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
+        atomic_write(out / ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
     except OSError as e:
         raise ValueError(f"cannot write adapter to {out}: {e.strerror}") from None
     return out

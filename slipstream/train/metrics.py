@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from slipstream.checkpoint.atomic import atomic_write_text
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
@@ -121,10 +122,7 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def perplexity(loss: float) -> float:
