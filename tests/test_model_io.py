@@ -111,3 +111,23 @@ def test_forward_backward_has_no_host_syncs(model_type, layers, tmp_path):
     with count_syncs() as syncs:
         model.loss(ids, labels, seq).item()
     assert syncs.total == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cuda_packed_forward_matches_cpu(model_type, tmp_path):
+    """The CUDA path (varlen or flex attention, bf16) against the CPU path (SDPA, float32)."""
+    make_hf_model(model_type, head_dim=64 if model_type == "qwen3" else None).save_pretrained(
+        tmp_path
+    )
+    lengths = [37, 5, 90, 1]
+    ids = torch.randint(0, 97, (sum(lengths),))
+    cpu = slipstream.load_model(tmp_path)
+    gpu = slipstream.load_model(tmp_path, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), count_syncs() as syncs:
+        got = gpu(ids.cuda(), SeqInfo.from_lengths(lengths, "cuda"))
+    with torch.no_grad():
+        ref = cpu(ids, SeqInfo.from_lengths(lengths))
+    torch.testing.assert_close(got.float().cpu(), ref, atol=5e-2, rtol=5e-2)
+    assert syncs.total == 0, str(syncs)
