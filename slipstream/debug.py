@@ -6,14 +6,26 @@ boolean-mask indexing, `unique`, `.cpu()`, `if tensor:` ... One per layer is 40 
 step on a 40-layer model, each draining the launch queue.
 
 Ops are judged by what they would do on CUDA, so the audit works on CPU tensors too: a CPU
-test reading 0 proves the GPU path sync-free. Two interposers cooperate:
-- a TorchFunctionMode sees Python-level methods that never reach the dispatcher as an op
-  (`.tolist()`, `.numpy()`, `.cpu()`, `__bool__`, `x[mask] = 0.0`);
+test reading 0 proves the GPU path sync-free. Three interposers cooperate:
+- the Tensor methods that sync without reaching the dispatcher as an op (`.tolist()`,
+  `.numpy()`, `.cpu()`, `__bool__`, ...) and those judged by their arguments (`.to`,
+  `__setitem__`: `x[mask] = 0.0`) are wrapped on `torch.Tensor` for the block;
+- a TorchFunctionMode judges the same methods when they are called past the class attribute
+  (`torch._C.TensorBase.tolist(x)`);
 - a TorchDispatchMode sees aten ops, including those run by autograd in backward and
   those called from inside other torch functions (`_local_scalar_dense`, `nonzero`,
   `index` with a bool index, `_unique2`, ...).
-While the function mode handles a call it counts, the dispatch mode ignores what that call
+The outermost interposer that judges a call counts it; the inner ones ignore it and what it
 dispatches, so one `.item()` counts once.
+
+Why the wrappers: a TorchFunctionMode is popped off the mode stack while its own handler
+runs, and `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` are
+overridable, so they reach the handler and run with the mode off. The autograd engine
+restores the torch-function mode stack it captured when backward started (empty, then) on
+every node, so a `.tolist()` in a custom Function's backward or in a checkpoint's recompute
+never reached the mode; the dispatch mode stays on, which is why `.item()` there was
+counted. Class attributes do not depend on the mode stack. While a block runs, the wrapped
+methods count calls from every thread, as the `synchronize` wrappers do.
 
 Copies to the CPU: `.cpu()` and `.numpy()` always count (their only purpose is host data;
 on a GPU they sync). `.to(...)`/`copy_` count when the source is on a device and the copy
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import traceback
 from collections.abc import Iterator
 
@@ -68,6 +81,16 @@ _SYNC_OPS = {
     aten.bincount: "bincount",  # CUDA bincount reads max(x) back to size its output
 }
 _INDEX_PUT_OPS = {aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+# Every Tensor method the function mode judges, by attribute name: wrapped on the class for
+# the block. Kept as found at import, so a wrapper never stands in for the real method.
+_TENSOR_TO = torch.Tensor.to
+_TENSOR_SETITEM = torch.Tensor.__setitem__
+_WRAPPED_METHODS = {
+    **{method.__name__: method for method in _SYNC_METHODS},
+    "to": _TENSOR_TO,
+    "__setitem__": _TENSOR_SETITEM,
+}
 
 
 def _is_tensor(t: object) -> bool:
@@ -142,26 +165,37 @@ def _call_site() -> str:
 class _FunctionCounter(TorchFunctionMode):
     def __init__(self, counts: SyncCounts, cpu_copies: bool) -> None:
         super().__init__()
-        self.counts, self.cpu_copies, self.quiet = counts, cpu_copies, 0
+        self.counts, self.cpu_copies = counts, cpu_copies
+        # Per thread: the wrappers see every thread, and a call being counted in one (say a
+        # loader's `.to`) must not hide a sync in another (the autograd device thread).
+        self._depth = threading.local()
+
+    @property
+    def quiet(self) -> int:
+        return getattr(self._depth, "n", 0)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = self._sync_name(func, args, kwargs)
+        # Torch looks methods up on the class by name, so `func` may be one of our wrappers.
+        return self.run(getattr(func, "_slipstream_method", func), func, args, kwargs or {})
+
+    def run(self, method, func, args: tuple, kwargs: dict):
+        """Call `func`, counting it as `method` unless an outer interposer already did."""
+        name = self._sync_name(method, args, kwargs)
         if name is None:
             return func(*args, **kwargs)
-        if name:
+        if name and not self.quiet:
             self.counts.add(name)
-        self.quiet += 1  # what this call dispatches is accounted for here
+        self._depth.n = self.quiet + 1  # this call and what it dispatches are accounted for
         try:
             return func(*args, **kwargs)
         finally:
-            self.quiet -= 1
+            self._depth.n -= 1
 
     def _sync_name(self, func, args: tuple, kwargs: dict) -> str | None:
         """A name to count; "" to run without counting what it dispatches; None to pass."""
         if func in _SYNC_METHODS:
             return _SYNC_METHODS[func]
-        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+        if func is _TENSOR_TO and args and isinstance(args[0], torch.Tensor):
             dst = _target_device(args, kwargs)
             if dst is None or dst.type != "cpu":
                 return None
@@ -170,7 +204,7 @@ class _FunctionCounter(TorchFunctionMode):
             if args[0].device.type != "cpu" or self.cpu_copies:
                 return "copy to cpu"
             return ""
-        if func is torch.Tensor.__setitem__ and len(args) == 3:
+        if func is _TENSOR_SETITEM and len(args) == 3:
             index, value = args[1], args[2]
             # `x[mask] = 0.0` becomes masked_fill_ on the device: no sync (index_put_ checks
             # for one bool index and a one-element CPU value, which a Python number becomes).
@@ -232,6 +266,34 @@ def _wrap_sync_function(counts: SyncCounts, fn, name: str):
     return counted
 
 
+def _wrap_method(functions: _FunctionCounter, method, fn):
+    """`fn` (the class attribute now: `method`, or an outer block's wrapper) judged as `method`."""
+
+    def counted(*args, **kwargs):
+        return functions.run(method, fn, args, kwargs)
+
+    counted._slipstream_method = method
+    return counted
+
+
+@contextlib.contextmanager
+def _patched(replacements: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Set each `owner.attr = value` for the block, then put back exactly what was there (an
+    attribute the owner only inherited is deleted again)."""
+    missing = object()
+    before = [(owner, attr, vars(owner).get(attr, missing)) for owner, attr, _ in replacements]
+    for owner, attr, value in replacements:
+        setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        for owner, attr, old in reversed(before):
+            if old is missing:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+
+
 @contextlib.contextmanager
 def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
     """Count host-sync ops run inside the block, forward and backward, on any device.
@@ -241,19 +303,20 @@ def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
     counts = SyncCounts()
     functions = _FunctionCounter(counts, cpu_copies)
     # Explicit synchronize calls are plain Python functions: wrap them for the block.
-    patched = [
+    syncs = [
         (torch.cuda, "synchronize", "cuda.synchronize"),
         (torch.cuda.Stream, "synchronize", "stream.synchronize"),
         (torch.cuda.Event, "synchronize", "event.synchronize"),
     ]
     if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
-        patched.append((torch.accelerator, "synchronize", "accelerator.synchronize"))
-    originals = [getattr(owner, attr) for owner, attr, _ in patched]
-    for (owner, attr, name), fn in zip(patched, originals):
-        setattr(owner, attr, _wrap_sync_function(counts, fn, name))
-    try:
-        with _DispatchCounter(counts, functions), functions:
-            yield counts
-    finally:
-        for (owner, attr, _), fn in zip(patched, originals):
-            setattr(owner, attr, fn)
+        syncs.append((torch.accelerator, "synchronize", "accelerator.synchronize"))
+    replacements = [
+        (owner, attr, _wrap_sync_function(counts, getattr(owner, attr), name))
+        for owner, attr, name in syncs
+    ]
+    replacements += [
+        (torch.Tensor, attr, _wrap_method(functions, method, getattr(torch.Tensor, attr)))
+        for attr, method in _WRAPPED_METHODS.items()
+    ]
+    with _patched(replacements), _DispatchCounter(counts, functions), functions:
+        yield counts

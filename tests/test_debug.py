@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from slipstream.debug import count_syncs
+from slipstream.debug import SyncCounts, count_syncs
 
 x = torch.randn(6, 4)
 mask = x > 0
@@ -74,6 +74,13 @@ def test_one_call_counts_once():
     assert c.total == 5
     text = str(c)
     assert "5 host syncs" in text and "test_debug.py" in text
+
+
+def test_method_called_past_the_class_is_counted_by_the_function_mode():
+    with count_syncs() as c:
+        torch._C.TensorBase.tolist(ids)
+        torch._C.TensorBase.cpu(x)
+    assert c.by_op == {"tolist": 1, "cpu": 1}
 
 
 def test_copies_to_cpu():
@@ -173,6 +180,108 @@ def test_patched_synchronize_restored():
     with count_syncs():
         assert torch.cuda.synchronize is not before
     assert torch.cuda.synchronize is before
+
+
+def test_wrapped_tensor_methods_restored():
+    own = dict(vars(torch.Tensor))  # `__array__` is torch.Tensor's own; `tolist` inherited
+    with count_syncs(), count_syncs():
+        assert torch.Tensor.tolist is not torch._C.TensorBase.tolist
+        assert torch.Tensor.__array__ is not own["__array__"]
+    assert dict(vars(torch.Tensor)) == own
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist
+
+
+# --- syncs run by the autograd engine: backward-time recompute -----------------------------
+# `Tensor.backward` goes through a torch-function handler, which runs it with the function
+# mode off; these syncs were missed there (`.tolist()`, `.cpu()`) before the method wrappers.
+
+BACKWARD_SYNCS = {
+    "tolist": lambda t: t.tolist(),
+    "item": lambda t: t.sum().item(),
+    "cpu": lambda t: t.cpu(),
+    "nonzero": lambda t: (t > 0).nonzero(),
+    "bool-mask index": lambda t: t[t > 0],
+}
+
+
+class _SyncInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, sync):
+        ctx.sync = sync
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sync(grad)
+        return grad * 2, None
+
+
+class _SyncLayer(nn.Module):
+    """A decoder-layer stand-in (`layer(x, seq, cos_sin)`) that runs one sync per call."""
+
+    def __init__(self, sync) -> None:
+        super().__init__()
+        self.proj, self.sync, self.calls = nn.Linear(4, 4), sync, 0
+
+    def forward(self, x, seq, cos_sin):
+        self.calls += 1
+        self.sync(x.detach())  # detached: the sync itself adds nothing to the graph
+        return torch.tanh(self.proj(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, sync, layers: int) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(_SyncLayer(sync) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x, None, None)
+        return x
+
+
+def _backward_calls(where: str, sync) -> tuple[SyncCounts, int]:
+    """Counts over one backward whose recompute (or custom backward) runs `sync`, and how
+    many times `sync` ran during it."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    if where == "custom backward":
+        out, calls = _SyncInBackward.apply(x, sync).sum(), lambda: 1
+    else:
+        from slipstream.memory.offload import apply_checkpointing
+
+        model = _Stack(sync, layers=3)
+        mode = "recompute" if where == "checkpoint recompute" else "offload"
+        apply_checkpointing(model, mode, force=True, min_offload_bytes=0)
+        out = model(x).sum()
+        before = sum(layer.calls for layer in model.model.layers)
+        calls = lambda: sum(layer.calls for layer in model.model.layers) - before  # noqa: E731
+    with count_syncs() as c:
+        out.backward()
+    assert x.grad is not None
+    return c, calls()
+
+
+WHERE = ["custom backward", "checkpoint recompute", "offload recompute"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("name", list(BACKWARD_SYNCS))
+def test_sync_in_backward_counted_once_per_call(where, name):
+    c, calls = _backward_calls(where, BACKWARD_SYNCS[name])
+    assert calls == (1 if where == "custom backward" else 3)  # every layer recomputed once
+    assert c.by_op == {name: calls}, str(c)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_sync_free_recompute_reads_zero(where):
+    def no_sync(t):
+        t.clone()[t > 0] = 0.0  # masked_fill_ on the device, as in forward
+        t.to(torch.float64)
+
+    c, calls = _backward_calls(where, no_sync)
+    assert calls >= 1 and c.total == 0, str(c)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
