@@ -1,0 +1,340 @@
+"""The offload pool: host slots for offloaded layer inputs, the device buffers they reload into,
+the copy stream and its events, and the statistics benchmarks read.
+
+`OffloadPool` is driven by `slipstream.memory.offload` (the layer wrapping and the autograd
+Function): `save` in forward; `backward_start`, `input_for`, `backward_end` in backward. It
+keeps the schedule the design promises: when layer i's backward starts, the reload of the next
+offloaded input (i-1) is issued into a free device buffer on the copy stream, so it runs under
+layer i's recompute and backward; events, never stream or host syncs, order copies and compute.
+Too little free memory for two buffers: one, said once in the log.
+
+On CUDA the host slots are pinned and copies run on a side stream (`_CudaCopies`); elsewhere
+(`force=True` on CPU, for tests) `_SyncCopies` copies at once and events are None, so the same
+bookkeeping runs everywhere.
+
+Statistics: `pool.stats()` -> `OffloadStats` (bytes offloaded/reloaded, steps, buffers, host
+pool size, allocations, max resident inputs) and, with `timing=True` on CUDA, copy and
+exposed-wait times from CUDA events (reading them synchronizes: call `stats()` between steps,
+never inside one). `pool.reset_stats()` starts a new measurement; `pool.events` (with
+`record_events=True`) logs ("offload"|"prefetch"|"backward_start"|"recompute"|"backward_end",
+layer) in order.
+
+Shapes: T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The logger of the offload feature as a whole, as before the pool had its own file.
+log = logging.getLogger("slipstream.memory.offload")
+
+_LOGGED: set[str] = set()
+# A second buffer is taken only if this many buffer sizes stay free besides both buffers:
+# room for one layer's recompute (q, k, v, attention out, 3 MLP intermediates ~ 16 D per token).
+_RECOMPUTE_RESERVE = 16
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.warning(message)
+
+
+@dataclass
+class OffloadStats:
+    """Counters since the last `reset_stats()`; times in ms, None unless `timing=True` on CUDA."""
+
+    steps: int  # backward passes that reached layer 0
+    bytes_offloaded: int
+    bytes_reloaded: int
+    num_buffers: int
+    buffer_bytes: int  # size of each device reload buffer
+    host_bytes: int  # host (pinned on CUDA) pool size
+    host_allocations: int  # host slots allocated since the pool was made (not reset)
+    max_resident: int  # most offloaded inputs on the device at once during backward
+    d2h_ms: float | None = None  # sum of device->host copy durations (copy stream)
+    h2d_ms: float | None = None  # sum of host->device copy durations (copy stream)
+    exposed_ms: float | None = None  # time the compute stream stood waiting for reloads
+
+    @property
+    def h2d_gbps(self) -> float | None:
+        return self.bytes_reloaded / self.h2d_ms / 1e6 if self.h2d_ms else None
+
+    @property
+    def d2h_gbps(self) -> float | None:  # while forward runs, so it overlaps compute
+        return self.bytes_offloaded / self.d2h_ms / 1e6 if self.d2h_ms else None
+
+
+class _SyncCopies:
+    """CPU twin of `_CudaCopies`: copies happen at once, events are None."""
+
+    def record_compute(self) -> None:
+        return None
+
+    def copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        dst.copy_(src)
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def release(self, device_tensor: torch.Tensor) -> None:
+        pass
+
+    def timings(self) -> dict[str, float | None]:
+        return {}
+
+
+class _CudaCopies:
+    """Copies on one side stream, ordered against the compute stream by events only."""
+
+    def __init__(self, device: torch.device, timing: bool) -> None:
+        self.device, self.timing = device, timing
+        self.stream = torch.cuda.Stream(device)
+        self.spans: dict[str, list] = {"d2h": [], "h2d": [], "wait": []}
+
+    def _event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=self.timing)
+        event.record(stream)
+        return event
+
+    def record_compute(self) -> torch.cuda.Event:
+        return self._event(torch.cuda.current_stream(self.device))
+
+    def copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor, after: Any):
+        if after is not None:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            start = self._event(self.stream) if self.timing else None
+            dst.copy_(src, non_blocking=True)
+            done = self._event(self.stream)
+        if src.device.type == "cuda":  # keep the source's memory until the copy has read it
+            src.record_stream(self.stream)
+        if self.timing:
+            self.spans[kind].append((start, done))
+        return done
+
+    def release(self, device_tensor: torch.Tensor) -> None:
+        """About to drop a device tensor the copy stream may still write: keep it until then."""
+        device_tensor.record_stream(self.stream)
+
+    def wait(self, event: Any) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        start = self._event(compute) if self.timing else None
+        compute.wait_event(event)
+        if self.timing:  # end - start = how long the compute stream stood still
+            self.spans["wait"].append((start, self._event(compute)))
+
+    def timings(self) -> dict[str, float | None]:
+        """Sum of each span kind in ms. Synchronizes on the events: call between steps."""
+        if not self.timing:
+            return {}
+        out = {}
+        for kind, spans in self.spans.items():
+            for _, end in spans:
+                end.synchronize()
+            out[kind] = sum(start.elapsed_time(end) for start, end in spans)
+        return out
+
+
+class _Saved:
+    """One offloaded layer input: where its bytes are and what state they are in."""
+
+    __slots__ = ("index", "shape", "dtype", "nbytes", "slot", "state", "buffer", "ready",
+                 "__weakref__")  # fmt: skip
+
+    def __init__(self, index: int, x: torch.Tensor, slot: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype, self.nbytes = index, x.shape, x.dtype, x.nbytes
+        self.slot = slot
+        self.state = "host"  # host -> loading (reload issued) -> in_use -> done
+        self.buffer: int | None = None
+        self.ready: Any = None  # event: the reload into `buffer` has finished
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[: self.nbytes].view(self.dtype).view(self.shape)
+
+
+class OffloadPool:
+    """Host slots for offloaded layer inputs and the one or two device buffers they reload into.
+
+    Host slots are kept per layer index and reused every step; a slot is only allocated when
+    a layer has none free that is large enough (first step, or a longer batch).
+    """
+
+    def __init__(
+        self,
+        *,
+        pin: bool = True,
+        min_offload_bytes: int = 1 << 20,
+        double_buffer: bool | str = "auto",
+        timing: bool = False,
+        record_events: bool = False,
+    ) -> None:
+        self.pin, self.min_offload_bytes = pin, min_offload_bytes
+        self.double_buffer, self.timing = double_buffer, timing
+        self.events: list[tuple[str, int]] | None = [] if record_events else None
+        self.copies: _SyncCopies | _CudaCopies | None = None  # made on the first offload
+        self.device: torch.device | None = None
+        self.buffers: list[torch.Tensor] = []  # flat uint8 device buffers
+        self.owners: list[_Saved | None] = []
+        self.buffer_free: list[Any] = []  # event: the last reader of the buffer has finished
+        self.free_slots: dict[int, list[torch.Tensor]] = {}
+        self.pending: list[weakref.ref[_Saved]] = []  # offloaded, not reloaded, forward order
+        self.max_nbytes = self.host_allocations = self.host_bytes = 0
+        self.reset_stats()
+
+    # -- statistics -------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.steps = self.bytes_offloaded = self.bytes_reloaded = self.max_resident = 0
+        if isinstance(self.copies, _CudaCopies):
+            self.copies.spans = {"d2h": [], "h2d": [], "wait": []}
+
+    def stats(self) -> OffloadStats:
+        t = self.copies.timings() if self.copies is not None else {}
+        return OffloadStats(
+            self.steps, self.bytes_offloaded, self.bytes_reloaded, len(self.buffers),
+            self.buffers[0].numel() if self.buffers else 0, self.host_bytes,
+            self.host_allocations, self.max_resident, t.get("d2h"), t.get("h2d"), t.get("wait"),
+        )  # fmt: skip
+
+    def _note(self, what: str, index: int) -> None:
+        if self.events is not None:
+            self.events.append((what, index))
+
+    # -- forward ----------------------------------------------------------------------------
+    def save(self, index: int, x_TD: torch.Tensor) -> _Saved | None:
+        """Start copying `x_TD` to a host slot; None when it is too small to be worth it."""
+        if x_TD.nbytes < self.min_offload_bytes:
+            return None
+        if self.copies is None:
+            self.device = x_TD.device
+            cuda = x_TD.device.type == "cuda"
+            self.copies = _CudaCopies(x_TD.device, self.timing) if cuda else _SyncCopies()
+        saved = _Saved(index, x_TD, self._take_slot(index, x_TD.nbytes))
+        after = self.copies.record_compute()  # the copy may start once x_TD is written
+        self.copies.copy("d2h", saved.view(saved.slot), x_TD, after)
+        self.pending.append(weakref.ref(saved))
+        self.max_nbytes = max(self.max_nbytes, saved.nbytes)
+        self.bytes_offloaded += saved.nbytes
+        self._note("offload", index)
+        return saved
+
+    def _take_slot(self, index: int, nbytes: int) -> torch.Tensor:
+        free = self.free_slots.setdefault(index, [])
+        for i, slot in enumerate(free):
+            if slot.numel() >= nbytes:
+                return free.pop(i)
+        self.host_allocations += 1
+        self.host_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward_start(self, index: int, saved: _Saved | None) -> None:
+        """Layer `index`'s backward begins: have its own input reloading, prefetch the next."""
+        self._note("backward_start", index)
+        if saved is not None and saved.state == "done":
+            raise RuntimeError(
+                "activation offload frees each layer input after its first backward; "
+                "for retain_graph=True / double backward use mode='recompute'"
+            )
+        if saved is not None:
+            if saved.state == "host":
+                self._reload(saved, self._claim_buffer(saved))  # not prefetched: exposed copy
+            saved.state = "in_use"
+        self._prefetch_next()
+
+    def input_for(self, saved: _Saved) -> torch.Tensor:
+        """The reloaded input, once the compute stream has waited (an event) for its copy."""
+        assert saved.state == "in_use", f"layer {saved.index} input is {saved.state}"
+        self.copies.wait(saved.ready)
+        return saved.view(self.buffers[saved.buffer])
+
+    def backward_end(self, index: int, saved: _Saved | None) -> None:
+        """Layer `index`'s backward is enqueued: free its buffer and host slot."""
+        if saved is not None:
+            self.buffer_free[saved.buffer] = self.copies.record_compute()
+            self.owners[saved.buffer] = None
+            self.free_slots.setdefault(saved.index, []).append(saved.slot)
+            saved.state, saved.buffer, saved.slot = "done", None, None
+        self._note("backward_end", index)
+        if index == 0:
+            self.steps += 1
+        self._prefetch_next()  # one buffer: the reload of the next layer can only go now
+
+    def _prefetch_next(self) -> None:
+        """Reload the next offloaded input backward will need, if a buffer is free and no
+        prefetch is already waiting (at most one layer ahead, as the schedule promises)."""
+        if any(o is not None and o.state == "loading" for o in self.owners):
+            return
+        nxt = self._next_pending()
+        if nxt is None:
+            return
+        buffer = self._free_buffer(nxt.nbytes)
+        if buffer is not None:
+            self._reload(nxt, buffer)
+
+    def _next_pending(self) -> _Saved | None:
+        while self.pending:
+            saved = self.pending[-1]()
+            if saved is not None and saved.state == "host":
+                return saved
+            self.pending.pop()  # reloaded already, or its graph was dropped
+        return None
+
+    def _reload(self, saved: _Saved, buffer: int) -> None:
+        after = self.buffer_free[buffer]  # the previous reader of this buffer is done
+        n = saved.nbytes
+        saved.ready = self.copies.copy("h2d", self.buffers[buffer][:n], saved.slot[:n], after)
+        saved.state, saved.buffer = "loading", buffer
+        self.owners[buffer] = saved
+        self.bytes_reloaded += saved.nbytes
+        resident = sum(o is not None for o in self.owners)
+        self.max_resident = max(self.max_resident, resident)
+        self._note("prefetch", saved.index)
+
+    def _free_buffer(self, nbytes: int) -> int | None:
+        if not self.buffers:
+            self._allocate_buffers()
+        for b, owner in enumerate(self.owners):
+            if owner is None:
+                if self.buffers[b].numel() < nbytes:  # a longer batch than any before
+                    self.copies.release(self.buffers[b])
+                    self.buffers[b] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                return b
+        return None
+
+    def _claim_buffer(self, saved: _Saved) -> int:
+        """A buffer for `saved`, taking one back from a prefetch that is not in use if needed
+        (only when backward runs in an unexpected order; correctness does not depend on it)."""
+        buffer = self._free_buffer(saved.nbytes)
+        if buffer is None:
+            buffer = next(b for b, o in enumerate(self.owners) if o.state == "loading")
+            victim = self.owners[buffer]
+            victim.state, victim.buffer, victim.ready = "host", None, None
+            self.pending.append(weakref.ref(victim))
+            self.owners[buffer] = None
+            buffer = self._free_buffer(saved.nbytes)
+        return buffer
+
+    def _allocate_buffers(self) -> None:
+        nbytes, count = self.max_nbytes, 2
+        if self.double_buffer is False:
+            count = 1
+        elif self.double_buffer == "auto" and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)  # once per pool
+            if free < (2 + _RECOMPUTE_RESERVE) * nbytes:
+                count = 1
+                _log_once(
+                    f"activation offload: {free / 2**30:.1f} GiB free on {self.device} leaves no "
+                    f"room for a second {nbytes / 2**20:.0f} MiB reload buffer; using one "
+                    "(reloads will not overlap compute)"
+                )
+        self.buffers = [
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)
+        ]
+        self.owners, self.buffer_free = [None] * count, [None] * count
