@@ -4,7 +4,8 @@
 What could fail and is checked: the per-layer baseline really syncs (2 per layer) while ours
 does not; ours builds its mask once whatever the depth; both attention paths agree; packing
 beats padding; every family trains with 0 syncs; the suite's rows carry the columns the docs
-table needs, its audited ours row reads 0 syncs and its metadata-off row more than 0.
+table needs, its audited ours row reads 0 syncs and its metadata-off row more than 0; the
+LM head on labelled positions gives the full loss and gradients at the label density asked.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_packing  # noqa: E402
@@ -143,3 +145,19 @@ def test_moe_quick(capsys):
     table_header(capsys.readouterr().out, bench_moe.COLUMNS)
     assert [(r["E"], r["k"]) for r in rows] == [(8, 2), (32, 2)]
     assert all(r["max abs diff"] < 1e-5 and r["ours ms"] > 0 for r in rows)
+
+
+def test_loss_quick(capsys):
+    from slipstream.ops import loss as loss_mod
+
+    backend = loss_mod.USE_TORCH_LCE
+    rows = bench_loss.main(["--quick"])
+    assert backend == loss_mod.USE_TORCH_LCE  # the bench puts the module switch back
+    table_header(capsys.readouterr().out, bench_loss.COLUMNS)
+    chat, full = rows
+    assert chat["backend"] == full["backend"] == "chunked"
+    assert abs(chat["N"] / chat["T"] - 0.38) < 0.02 and full["N"] == full["T"] - 8  # 8 seqs
+    assert chat["predicted"] > 1.5 and 1.0 < full["predicted"] < 1.05
+    for r in rows:
+        assert r["loss rel diff"] < 1e-6 and r["grad rel diff"] < 1e-5, r
+        assert r["full ms"] > 0 and r["positions ms"] > 0

@@ -2,11 +2,13 @@
 
 `labels[t]` is the target of position t: `input_ids[t+1]` when token t+1 is a target of the
 same sequence, else -100. Each sequence's last position is -100, so no label crosses a packed
-boundary. Everything is built on the host from Python lists; `input_ids` and `labels` share
-one (pinned, when CUDA is present) buffer so `Batch.to(device)` is one non-blocking copy for
-the tokens plus one for the `SeqInfo`.
+boundary. Everything is built on the host from Python lists: `input_ids`, `labels` and
+`label_positions` (the indices t with `labels[t] != -100`, for the model to run its LM head
+on those rows only) share one (pinned, when CUDA is present) buffer, so `Batch.to(device)` is
+one non-blocking copy for all three plus one for the `SeqInfo`, and the model never has to
+find the labelled rows with a boolean mask (a host sync).
 
-Shapes: T = total tokens in the batch.
+Shapes: T = total tokens in the batch, N = labelled positions (`num_labels`).
 """
 
 from __future__ import annotations
@@ -24,28 +26,37 @@ IGNORE_INDEX = -100
 
 @dataclass
 class Batch:
-    """input_ids_T, labels_T (int64), seq boundaries, and the host count of labels != -100."""
+    """input_ids_T, labels_T (int64), seq boundaries, the host count N of labels != -100 and
+    their positions label_positions_N (int64; None in hand-built batches: the plain path)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     seq: SeqInfo
     num_labels: int
-    _both_2T: torch.Tensor | None = field(default=None, repr=False)  # rows: input_ids, labels
+    label_positions: torch.Tensor | None = None
+    # One flat buffer: input_ids, labels, label_positions (2T + N); the fields are its views.
+    _host: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> Batch:
-        """The batch on `device`: non-blocking copies from the (pinned) host buffer."""
+        """The batch on `device`: one non-blocking copy from the (pinned) host buffer."""
         device = torch.device(device)
-        both_2T = self._both_2T
-        if both_2T is None:
-            both_2T = torch.stack([self.input_ids, self.labels])
-        if device.type == "cuda" and not both_2T.is_pinned():
-            both_2T = both_2T.pin_memory()
-        both_2T = both_2T.to(device, non_blocking=True)
-        return Batch(both_2T[0], both_2T[1], self.seq.to(device), self.num_labels, both_2T)
+        flat = self._host
+        if flat is None:
+            parts = [self.input_ids, self.labels]
+            parts += [] if self.label_positions is None else [self.label_positions]
+            flat = torch.cat([x.reshape(-1).long() for x in parts])
+        if device.type == "cuda" and not flat.is_pinned():
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        T = self.input_ids.numel()
+        positions = None if self.label_positions is None else flat[2 * T :]
+        return Batch(
+            flat[:T], flat[T : 2 * T], self.seq.to(device), self.num_labels, positions, flat
+        )
 
 
 def shifted_labels(ex: Example) -> list[int]:
@@ -69,9 +80,10 @@ def collate(examples: Sequence[Example]) -> Batch:
             )
         ids.extend(ex.input_ids)
         labels.extend(shifted_labels(ex))
-    num_labels = sum(1 for x in labels if x != IGNORE_INDEX)
-    host_2T = torch.tensor([ids, labels], dtype=torch.int64)
+    positions = [t for t, y in enumerate(labels) if y != IGNORE_INDEX]
+    T, N = len(ids), len(positions)
+    host = torch.tensor(ids + labels + positions, dtype=torch.int64)
     if torch.cuda.is_available():
-        host_2T = host_2T.pin_memory()
+        host = host.pin_memory()
     seq = SeqInfo.from_lengths([len(ex) for ex in examples])
-    return Batch(host_2T[0], host_2T[1], seq, num_labels, host_2T)
+    return Batch(host[:T], host[T : 2 * T], seq, N, host[2 * T :], host)
