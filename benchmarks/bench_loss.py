@@ -8,6 +8,9 @@ batch of `--tokens` tokens in 8 sequences. Two label densities: 38% of positions
 (chitchat with assistant-only labels) and every position but each sequence's last.
 - full: `model.loss(ids, labels, seq)`: the head multiplies all T rows;
 - positions: `model.loss(..., label_positions=...)`: the N labelled rows only.
+Backend: our chunked `linear_cross_entropy` by default (what torch < 2.13 runs, and the
+GPU machine's torch 2.11); `--backend torch` times torch 2.13's own op, whose CPU cost barely
+moves with the row count at this vocabulary (docs/benchmarks.md).
 
 Prediction (FLOPs): a training step costs 6*P*T for the P body weights, the attention scores
 on top, and 6*V*D per row for the head (logits, grad of hidden, grad of head). Skipping the
@@ -100,8 +103,8 @@ def measure(hf: dict, lengths: list[int], fraction: float, reps: int) -> dict:
         "layers": hf["num_hidden_layers"],
         "T": len(ids_T),
         "N": positions_N.numel(),
-        "full ms": times["full"] * 1e3,
-        "positions ms": times["positions"] * 1e3,
+        "full ms": round(times["full"] * 1e3),  # whole ms: "2e+03" would hide digits
+        "positions ms": round(times["positions"] * 1e3),
         "speedup": times["full"] / times["positions"],
         "predicted": predicted_speedup(hf, lengths, positions_N.numel()),
         "predicted 30 layers": predicted_speedup(full_30, lengths, positions_N.numel()),
