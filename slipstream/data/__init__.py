@@ -12,7 +12,8 @@ API (what the trainer calls):
     pack_examples(lengths, tokens_per_batch) -> list[list[int]]   best-fit decreasing
     packing_efficiency(lengths, batches, tokens_per_batch) -> float
     epoch_order(num_batches, *, seed, epoch) -> list[int]         seeded batch order
-    collate(examples) -> Batch(input_ids (T,), labels (T,) shifted, seq: SeqInfo, num_labels)
+    collate(examples) -> Batch(input_ids (T,), labels (T,) shifted, seq: SeqInfo, num_labels,
+                               label_positions (N,))
     Batch.to(device) -> Batch                                     non-blocking copies
     chitchat_rows(num_rows, *, seed=0, max_turns=8, skip=0) -> list[dict]   (demo data)
 
