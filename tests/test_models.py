@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import make_hf_model, shifted_labels
+from helpers.models import assert_loss_and_grads_match, make_hf_model
 
 import slipstream
 from slipstream.ops.packing import SeqInfo
@@ -53,16 +53,7 @@ def test_logits_match_transformers_per_sequence(pair):
 def test_loss_and_grads_match_transformers(pair):
     hf, ours = pair
     ids = torch.randint(0, 97, (19,), generator=torch.Generator().manual_seed(2))
-    hf.zero_grad()
-    ours.zero_grad()
-    ref = hf(ids[None], labels=ids[None]).loss
-    ref.backward()
-    loss = ours.loss(ids, shifted_labels(ids, [19]), SeqInfo.from_lengths([19]))
-    loss.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    hf_grads = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, hf_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_loss_and_grads_match(hf, ours, ids)
 
 
 def test_round_trip_save_model_loads_in_transformers(pair, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers.models import shifted_labels
+from helpers.models import assert_loss_and_grads_match, shifted_labels
 from helpers.moe_models import make_hf_moe_model
 from safetensors.torch import load_file, save_file
 
@@ -73,19 +73,7 @@ def test_packed_logits_match_transformers_per_sequence(pair):
 
 def test_loss_and_grads_match_transformers(pair):
     hf, ours, _ = pair
-    ids = _ids(19, 2)
-    hf.zero_grad()
-    ours.zero_grad()
-    ref = hf(ids[None], labels=ids[None]).loss
-    ref.backward()
-    loss = ours.loss(ids, shifted_labels(ids, [19]), SeqInfo.from_lengths([19]))
-    loss.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    hf_params = dict(hf.named_parameters())
-    names = [n for n, _ in ours.named_parameters()]
-    assert set(names) <= set(hf_params), "parameter names must equal transformers' names"
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_loss_and_grads_match(hf, ours, _ids(19, 2))
     assert any(p.grad.abs().sum() > 0 for n, p in ours.named_parameters() if "experts" in n)
 
 

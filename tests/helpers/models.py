@@ -58,3 +58,22 @@ def shifted_labels(ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         labels[start : start + n - 1] = ids_T[start + 1 : start + n]
         start += n
     return labels
+
+
+def assert_loss_and_grads_match(hf, ours, ids_T: torch.Tensor) -> None:
+    """One sequence: our loss and every weight's gradient equal transformers' (same names)."""
+    from slipstream.ops.packing import SeqInfo
+
+    hf.zero_grad()
+    ours.zero_grad()
+    ref = hf(ids_T[None], labels=ids_T[None]).loss
+    ref.backward()
+    n = ids_T.shape[0]
+    loss = ours.loss(ids_T, shifted_labels(ids_T, [n]), SeqInfo.from_lengths([n]))
+    loss.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    hf_params = dict(hf.named_parameters())
+    names = [name for name, _ in ours.named_parameters()]
+    assert set(names) <= set(hf_params), "parameter names must equal transformers' names"
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
