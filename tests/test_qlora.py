@@ -151,6 +151,32 @@ def test_qlora_steps_lower_loss_and_change_only_lora(fp_dir):
 
 
 @needs_bnb
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_qlora_gradients_identical_with_checkpointing(fp_dir, mode):
+    """QLoRA under recompute and the offload schedule (forced on CPU) == no checkpointing."""
+    from slipstream.memory.offload import apply_checkpointing
+
+    ids, seq = _ids(), SeqInfo.from_lengths(LENGTHS)
+    grads = []
+    for ckpt in ("none", mode):
+        model = slipstream.load_model(fp_dir, quantize="nf4")
+        torch.manual_seed(0)  # the same LoRA A init in both models
+        slipstream.apply_lora(model, rank=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+        pool = apply_checkpointing(model, ckpt, force=ckpt == "offload", min_offload_bytes=0)
+        model.loss(ids, shifted_labels(ids, LENGTHS), seq).backward()
+        if ckpt == "offload":
+            assert pool.stats().bytes_offloaded > 0  # the schedule really ran
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+@needs_bnb
 def test_transformers_bnb_checkpoint_loads_with_same_outputs(fp_dir, hf_nf4):
     hf, path = hf_nf4
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
