@@ -158,23 +158,30 @@ def test_dropout_needs_preserved_rng(checkpoint_dir):
     assert not all(torch.equal(grads[n], reference[1][n]) for n in grads)
 
 
-def test_gradient_accumulation_two_forwards_one_backward(checkpoint_dir):
-    """Two graphs alive at once: two offloaded inputs per layer, backward in engine order."""
+@pytest.mark.parametrize("forwards", [2, 3])
+def test_gradient_accumulation_forwards_then_one_backward(checkpoint_dir, forwards):
+    """Several graphs alive at once: several offloaded inputs per layer, backward in engine
+    order. Each graph's last-layer input must stay on the device until its backward: in a
+    buffer while one is free, else in its own tensor (reloads then go to a tensor of their
+    own too when no buffer is free), so the pool holds one layer input per live graph (the
+    design before held those plus both buffers)."""
 
     def run(model):
         torch.manual_seed(0)
-        losses = [model.loss(*_batch(seed=s)) for s in (1, 2)]
-        (losses[0] + losses[1]).backward()
-        return losses[0].detach() + losses[1].detach(), {
+        losses = [model.loss(*_batch(seed=s)) for s in range(1, forwards + 1)]
+        sum(losses).backward()
+        return sum(loss.detach() for loss in losses), {
             n: p.grad for n, p in model.named_parameters()
         }
 
     reference = run(_model(checkpoint_dir))
-    model = _model(checkpoint_dir)
-    pool = apply_checkpointing(model, "offload", **OFFLOAD)
-    _assert_identical(run(model), reference)
-    assert pool.stats().max_resident <= 2
-    assert pool.stats().bytes_reloaded == pool.stats().bytes_offloaded
+    for double in (True, False):
+        model = _model(checkpoint_dir)
+        pool = apply_checkpointing(model, "offload", **{**OFFLOAD, "double_buffer": double})
+        _assert_identical(run(model), reference)
+        assert pool.stats().max_resident == forwards
+        assert pool.live_device_inputs() == (2 if double else 1)  # the extra tensors are gone
+        assert pool.stats().bytes_reloaded == pool.stats().bytes_offloaded
 
 
 def _position(events, event):
@@ -183,10 +190,10 @@ def _position(events, event):
 
 
 def _max_resident(events):
-    """Replay the log: a reload occupies a buffer until that layer's backward ends."""
+    """Replay the log: a kept or reloaded input occupies a buffer until its backward ends."""
     resident, most = set(), 0
     for what, layer in events:
-        if what == "prefetch":
+        if what in ("prefetch", "keep"):
             resident.add(layer)
         elif what == "backward_end":
             resident.discard(layer)
@@ -201,18 +208,17 @@ def test_schedule(checkpoint_dir, double):
     _step(model)
     ev = pool.events
     offloaded = [layer for what, layer in ev if what == "offload"]
-    assert offloaded == list(range(LAYERS - 1))  # the last layer's input stays on the device
-    for j in offloaded:
+    assert offloaded == list(range(LAYERS - 1))  # the last layer's input stays on the device,
+    assert _position(ev, ("keep", LAYERS - 1)) < _position(ev, ("backward_start", LAYERS - 1))
+    for j in offloaded:  # ... in a reload buffer, which it holds during its backward
         prefetch = _position(ev, ("prefetch", j))
         # Issued before the backward that needs it starts ...
         assert prefetch < _position(ev, ("backward_start", j))
         if double:  # ... as soon as the layer after it starts, ahead of that one's recompute
             assert _position(ev, ("backward_start", j + 1)) < prefetch
             assert prefetch < _position(ev, ("recompute", j + 1))
-        elif j + 1 in offloaded:  # ... once layer j+1 frees the one buffer
+        else:  # ... once layer j+1 (the last one too: it holds the buffer) frees the buffer
             assert _position(ev, ("backward_end", j + 1)) < prefetch
-        else:  # the last layer holds no buffer: its backward start is early enough
-            assert _position(ev, ("backward_start", j + 1)) < prefetch
     want = 2 if double else 1
     assert _max_resident(ev) == want
     stats = pool.stats()
@@ -236,6 +242,56 @@ def test_pool_out_of_order_backward_takes_a_prefetch_back():
         pool.backward_start(0, saved[0])
 
 
+@pytest.mark.parametrize("double", [True, False])
+def test_backward_holds_at_most_two_layer_inputs(checkpoint_dir, double):
+    """Every layer-input-sized device tensor alive during backward is one the pool holds (no
+    layer input survives forward elsewhere), and the pool holds at most two at every event,
+    the last layer's backward included (one with a single buffer)."""
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", **{**OFFLOAD, "double_buffer": double})
+    _step(model)  # first step allocates the buffers
+    inputs, counts = [], []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    note = pool._note
+
+    def counting_note(what, index):
+        note(what, index)
+        if what in ("backward_start", "prefetch", "recompute", "backward_end"):
+            assert all(r() is None for r in inputs), f"a layer input outlived forward ({what})"
+            counts.append((what, index, pool.live_device_inputs()))
+
+    pool._note = counting_note
+    pool.reset_stats()
+    loss = model.loss(*_batch())
+    assert len(inputs) == LAYERS
+    loss.backward()
+    want = 2 if double else 1
+    assert max(n for *_, n in counts) == want
+    last = [n for what, index, n in counts if index == LAYERS - 1]
+    assert last == [want] * 3  # backward_start, recompute, backward_end of the last layer
+    if double:  # the prefetch of the layer below went into the other buffer meanwhile
+        assert ("prefetch", LAYERS - 2, 2) in counts[: counts.index(("recompute", LAYERS - 1, 2))]
+    assert pool.stats().max_resident == want
+    assert pool.stats().num_buffers == want
+
+
+def test_forward_without_backward_frees_its_buffer(checkpoint_dir):
+    """A graph dropped before backward (a loss only looked at) gives its buffer back."""
+    reference = _step(_model(checkpoint_dir))
+    model = _model(checkpoint_dir)
+    pool = apply_checkpointing(model, "offload", **OFFLOAD)
+    _step(model)
+    buffers = [b.data_ptr() for b in pool.buffers]
+    for _ in range(3):
+        model.loss(*_batch())  # dropped at once
+    pool.reset_stats()
+    model.zero_grad(set_to_none=True)
+    _assert_identical(_step(model), reference)
+    assert [b.data_ptr() for b in pool.buffers] == buffers
+    assert pool.stats().max_resident == 2 and pool.live_device_inputs() == 2
+
+
 def test_offloaded_inputs_leave_the_device_after_forward(checkpoint_dir):
     """Offload holds no reference to the layer inputs it copied out; recompute keeps them."""
 
@@ -250,7 +306,8 @@ def test_offloaded_inputs_leave_the_device_after_forward(checkpoint_dir):
         loss.backward()
         return alive
 
-    assert alive_after_forward("offload", **OFFLOAD) == [False] * (LAYERS - 1) + [True]
+    # The last layer's input was copied into a reload buffer: the original is freed too.
+    assert alive_after_forward("offload", **OFFLOAD) == [False] * LAYERS
     assert alive_after_forward("recompute") == [True] * LAYERS
 
 

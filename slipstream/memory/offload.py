@@ -12,8 +12,10 @@ checkpoints; parameter and `state_dict()` names do not change.
   then waits (an event, never a stream or host sync) for its own input, recomputes the layer
   with grad and backprops through it. With two buffers the reload of i-1 runs under layer i's
   recompute and backward; with one buffer it is issued when layer i frees the buffer.
-  The last layer's input (its backward comes first) and inputs under `min_offload_bytes` stay
-  on the device. RNG state (dropout) is restored for the recompute, as torch checkpoint does.
+  The last layer's input (its backward comes first) is not offloaded but copied into one of
+  the reload buffers, so backward holds at most two layer inputs on the device (one with a
+  single buffer); inputs under `min_offload_bytes` stay on the device. RNG state (dropout)
+  is restored for the recompute, as torch checkpoint does.
   Layers holding an MoE block with an auxiliary loss recompute instead (see `_has_side_outputs`).
 - "none": the model is left as it is (an earlier wrapping is undone).
 
@@ -105,7 +107,9 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx.rng = _RngState(x_TD.device) if plan.preserve_rng_state else None
         ctx.autocast = _autocast_state(x_TD.device.type)
         # Issue the copy before the layer runs so that it overlaps the layer's forward.
-        ctx.saved = None if plan.last else plan.pool.save(plan.index, x_TD)
+        # The last layer's input goes into a reload buffer (see `OffloadPool.keep`).
+        save = plan.pool.keep if plan.last else plan.pool.save
+        ctx.saved = save(plan.index, x_TD)
         ctx.save_for_backward(*(params if ctx.saved is not None else (x_TD, *params)))
         return layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
 

@@ -2,11 +2,23 @@
 the copy stream and its events, and the statistics benchmarks read.
 
 `OffloadPool` is driven by `slipstream.memory.offload` (the layer wrapping and the autograd
-Function): `save` in forward; `backward_start`, `input_for`, `backward_end` in backward. It
-keeps the schedule the design promises: when layer i's backward starts, the reload of the next
-offloaded input (i-1) is issued into a free device buffer on the copy stream, so it runs under
-layer i's recompute and backward; events, never stream or host syncs, order copies and compute.
-Too little free memory for two buffers: one, said once in the log.
+Function): `save` (offloaded inputs) and `keep` (the last layer's input) in forward;
+`backward_start`, `input_for`, `backward_end` in backward. It keeps the schedule the design
+promises: when layer i's backward starts, the reload of the next offloaded input (i-1) is
+issued into a free device buffer on the copy stream, so it runs under layer i's recompute and
+backward; events, never stream or host syncs, order copies and compute. Too little free memory
+for two buffers: one, said once in the log.
+
+Device memory: the buffers are the only layer-input-sized device tensors the pool holds, so
+backward holds at most `num_buffers` layer inputs. The last layer's input, which backward
+needs first and so is never offloaded, is copied (device to device, on the compute stream,
+one (T, D) copy per step) into a buffer at forward time and the original is freed: during the
+last layer's backward that buffer holds it while the other takes the prefetch of the layer
+below. With one buffer the last input occupies it, so the first reload is issued when the
+last layer's backward ends ("single buffer" = one layer input on the device at any time).
+Only when every buffer is taken (several graphs alive, e.g. two forwards before a backward)
+does a last input stay in its own tensor, and a reload that finds every buffer held by such
+inputs go to a tensor of its own; `live_device_inputs()` counts those too.
 
 On CUDA the host slots are pinned and copies run on a side stream (`_CudaCopies`); elsewhere
 (`force=True` on CPU, for tests) `_SyncCopies` copies at once and events are None, so the same
@@ -16,8 +28,8 @@ Statistics: `pool.stats()` -> `OffloadStats` (bytes offloaded/reloaded, steps, b
 pool size, allocations, max resident inputs) and, with `timing=True` on CUDA, copy and
 exposed-wait times from CUDA events (reading them synchronizes: call `stats()` between steps,
 never inside one). `pool.reset_stats()` starts a new measurement; `pool.events` (with
-`record_events=True`) logs ("offload"|"prefetch"|"backward_start"|"recompute"|"backward_end",
-layer) in order.
+`record_events=True`) logs ("offload"|"keep"|"prefetch"|"backward_start"|"recompute"|
+"backward_end", layer) in order.
 
 Shapes: T tokens, D hidden.
 """
@@ -57,7 +69,7 @@ class OffloadStats:
     buffer_bytes: int  # size of each device reload buffer
     host_bytes: int  # host (pinned on CUDA) pool size
     host_allocations: int  # host slots allocated since the pool was made (not reset)
-    max_resident: int  # most offloaded inputs on the device at once during backward
+    max_resident: int  # most layer inputs the pool held on the device at once
     d2h_ms: float | None = None  # sum of device->host copy durations (copy stream)
     h2d_ms: float | None = None  # sum of host->device copy durations (copy stream)
     exposed_ms: float | None = None  # time the compute stream stood waiting for reloads
@@ -78,6 +90,9 @@ class _SyncCopies:
         return None
 
     def copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        dst.copy_(src)
+
+    def place(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         dst.copy_(src)
 
     def wait(self, event: Any) -> None:
@@ -119,6 +134,12 @@ class _CudaCopies:
             self.spans[kind].append((start, done))
         return done
 
+    def place(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        """Device-to-device copy on the compute stream, after the copy stream's last write."""
+        if after is not None:
+            torch.cuda.current_stream(self.device).wait_event(after)
+        dst.copy_(src)
+
     def release(self, device_tensor: torch.Tensor) -> None:
         """About to drop a device tensor the copy stream may still write: keep it until then."""
         device_tensor.record_stream(self.stream)
@@ -146,14 +167,16 @@ class _Saved:
     """One offloaded layer input: where its bytes are and what state they are in."""
 
     __slots__ = ("index", "shape", "dtype", "nbytes", "slot", "state", "buffer", "ready",
-                 "__weakref__")  # fmt: skip
+                 "own", "__weakref__")  # fmt: skip
 
-    def __init__(self, index: int, x: torch.Tensor, slot: torch.Tensor) -> None:
+    def __init__(self, index: int, x: torch.Tensor, slot: torch.Tensor | None) -> None:
         self.index, self.shape, self.dtype, self.nbytes = index, x.shape, x.dtype, x.nbytes
-        self.slot = slot
-        self.state = "host"  # host -> loading (reload issued) -> in_use -> done
+        self.slot = slot  # host slot; None for a kept (never offloaded) input
+        # offloaded: host -> loading (reload issued) -> in_use -> done; kept: kept -> in_use
+        self.state = "host" if slot is not None else "kept"
         self.buffer: int | None = None
         self.ready: Any = None  # event: the reload into `buffer` has finished
+        self.own: torch.Tensor | None = None  # flat bytes on the device outside the buffers
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[: self.nbytes].view(self.dtype).view(self.shape)
@@ -181,8 +204,12 @@ class OffloadPool:
         self.copies: _SyncCopies | _CudaCopies | None = None  # made on the first offload
         self.device: torch.device | None = None
         self.buffers: list[torch.Tensor] = []  # flat uint8 device buffers
-        self.owners: list[_Saved | None] = []
-        self.buffer_free: list[Any] = []  # event: the last reader of the buffer has finished
+        # Weak: a graph dropped without backward (a forward only for its loss) frees its
+        # buffer instead of holding it for good.
+        self.owners: list[weakref.ref[_Saved] | None] = []
+        self.buffer_free: list[Any] = []  # event: the last compute-stream use has finished
+        self.buffer_written: list[Any] = []  # event: the last copy-stream write has finished
+        self.own_inputs: weakref.WeakSet[_Saved] = weakref.WeakSet()  # kept outside buffers
         self.free_slots: dict[int, list[torch.Tensor]] = {}
         self.pending: list[weakref.ref[_Saved]] = []  # offloaded, not reloaded, forward order
         self.max_nbytes = self.host_allocations = self.host_bytes = 0
@@ -206,15 +233,26 @@ class OffloadPool:
         if self.events is not None:
             self.events.append((what, index))
 
+    def _owner(self, buffer: int) -> _Saved | None:
+        ref = self.owners[buffer]
+        return ref() if ref is not None else None
+
+    def live_device_inputs(self) -> int:
+        """Layer-input-sized device tensors the pool holds now: its buffers, plus kept inputs
+        that found no free buffer."""
+        return len(self.buffers) + sum(s.own is not None for s in self.own_inputs)
+
+    def _count_resident(self) -> None:
+        resident = sum(self._owner(b) is not None for b in range(len(self.buffers)))
+        resident += sum(s.own is not None for s in self.own_inputs)
+        self.max_resident = max(self.max_resident, resident)
+
     # -- forward ----------------------------------------------------------------------------
     def save(self, index: int, x_TD: torch.Tensor) -> _Saved | None:
         """Start copying `x_TD` to a host slot; None when it is too small to be worth it."""
         if x_TD.nbytes < self.min_offload_bytes:
             return None
-        if self.copies is None:
-            self.device = x_TD.device
-            cuda = x_TD.device.type == "cuda"
-            self.copies = _CudaCopies(x_TD.device, self.timing) if cuda else _SyncCopies()
+        self._start(x_TD)
         saved = _Saved(index, x_TD, self._take_slot(index, x_TD.nbytes))
         after = self.copies.record_compute()  # the copy may start once x_TD is written
         self.copies.copy("d2h", saved.view(saved.slot), x_TD, after)
@@ -223,6 +261,32 @@ class OffloadPool:
         self.bytes_offloaded += saved.nbytes
         self._note("offload", index)
         return saved
+
+    def keep(self, index: int, x_TD: torch.Tensor) -> _Saved | None:
+        """The last layer's input: copy it into a free buffer so the caller's tensor can be
+        freed (backward reads it from there first). None when under the size threshold."""
+        if x_TD.nbytes < self.min_offload_bytes:
+            return None
+        self._start(x_TD)
+        saved = _Saved(index, x_TD, None)
+        self.max_nbytes = max(self.max_nbytes, saved.nbytes)
+        buffer = self._free_buffer(saved.nbytes)
+        if buffer is None:  # every buffer taken by another live graph: keep the tensor itself
+            saved.own = x_TD.detach().contiguous().view(-1).view(torch.uint8)
+            self.own_inputs.add(saved)
+        else:
+            self.copies.place(saved.view(self.buffers[buffer]), x_TD, self.buffer_written[buffer])
+            self.buffer_free[buffer] = self.copies.record_compute()  # the copy-stream's next
+            saved.buffer, self.owners[buffer] = buffer, weakref.ref(saved)  # write waits on it
+        self._count_resident()
+        self._note("keep", index)
+        return saved
+
+    def _start(self, x_TD: torch.Tensor) -> None:
+        if self.copies is None:
+            self.device = x_TD.device
+            cuda = x_TD.device.type == "cuda"
+            self.copies = _CudaCopies(x_TD.device, self.timing) if cuda else _SyncCopies()
 
     def _take_slot(self, index: int, nbytes: int) -> torch.Tensor:
         free = self.free_slots.setdefault(index, [])
@@ -249,18 +313,22 @@ class OffloadPool:
         self._prefetch_next()
 
     def input_for(self, saved: _Saved) -> torch.Tensor:
-        """The reloaded input, once the compute stream has waited (an event) for its copy."""
+        """The layer's input on the device, once the compute stream has waited (an event)
+        for its reload; a kept input was written on the compute stream itself."""
         assert saved.state == "in_use", f"layer {saved.index} input is {saved.state}"
-        self.copies.wait(saved.ready)
-        return saved.view(self.buffers[saved.buffer])
+        if saved.ready is not None:
+            self.copies.wait(saved.ready)
+        return saved.view(saved.own if saved.own is not None else self.buffers[saved.buffer])
 
     def backward_end(self, index: int, saved: _Saved | None) -> None:
         """Layer `index`'s backward is enqueued: free its buffer and host slot."""
         if saved is not None:
-            self.buffer_free[saved.buffer] = self.copies.record_compute()
-            self.owners[saved.buffer] = None
-            self.free_slots.setdefault(saved.index, []).append(saved.slot)
-            saved.state, saved.buffer, saved.slot = "done", None, None
+            if saved.buffer is not None:
+                self.buffer_free[saved.buffer] = self.copies.record_compute()
+                self.owners[saved.buffer] = None
+            if saved.slot is not None:
+                self.free_slots.setdefault(saved.index, []).append(saved.slot)
+            saved.state, saved.buffer, saved.slot, saved.own = "done", None, None, None
         self._note("backward_end", index)
         if index == 0:
             self.steps += 1
@@ -269,7 +337,8 @@ class OffloadPool:
     def _prefetch_next(self) -> None:
         """Reload the next offloaded input backward will need, if a buffer is free and no
         prefetch is already waiting (at most one layer ahead, as the schedule promises)."""
-        if any(o is not None and o.state == "loading" for o in self.owners):
+        if any((o := self._owner(b)) is not None and o.state == "loading"
+               for b in range(len(self.buffers))):  # fmt: skip
             return
         nxt = self._next_pending()
         if nxt is None:
@@ -286,35 +355,46 @@ class OffloadPool:
             self.pending.pop()  # reloaded already, or its graph was dropped
         return None
 
-    def _reload(self, saved: _Saved, buffer: int) -> None:
-        after = self.buffer_free[buffer]  # the previous reader of this buffer is done
+    def _reload(self, saved: _Saved, buffer: int | None) -> None:
         n = saved.nbytes
-        saved.ready = self.copies.copy("h2d", self.buffers[buffer][:n], saved.slot[:n], after)
+        if buffer is None:  # every buffer holds another live graph's last input
+            saved.own = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self.own_inputs.add(saved)
+            after = self.copies.record_compute()  # the allocator may hand out a block in use
+            saved.ready = self.copies.copy("h2d", saved.own, saved.slot[:n], after)
+        else:
+            after = self.buffer_free[buffer]  # the previous reader of this buffer is done
+            dst = self.buffers[buffer][:n]
+            saved.ready = self.copies.copy("h2d", dst, saved.slot[:n], after)
+            self.buffer_written[buffer] = saved.ready
+            self.owners[buffer] = weakref.ref(saved)
         saved.state, saved.buffer = "loading", buffer
-        self.owners[buffer] = saved
         self.bytes_reloaded += saved.nbytes
-        resident = sum(o is not None for o in self.owners)
-        self.max_resident = max(self.max_resident, resident)
+        self._count_resident()
         self._note("prefetch", saved.index)
 
     def _free_buffer(self, nbytes: int) -> int | None:
         if not self.buffers:
             self._allocate_buffers()
-        for b, owner in enumerate(self.owners):
-            if owner is None:
+        for b in range(len(self.buffers)):
+            if self._owner(b) is None:
                 if self.buffers[b].numel() < nbytes:  # a longer batch than any before
                     self.copies.release(self.buffers[b])
                     self.buffers[b] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 return b
         return None
 
-    def _claim_buffer(self, saved: _Saved) -> int:
+    def _claim_buffer(self, saved: _Saved) -> int | None:
         """A buffer for `saved`, taking one back from a prefetch that is not in use if needed
-        (only when backward runs in an unexpected order; correctness does not depend on it)."""
+        (only when backward runs in an unexpected order; correctness does not depend on it).
+        None when every buffer holds an input in use or kept for a later backward."""
         buffer = self._free_buffer(saved.nbytes)
         if buffer is None:
-            buffer = next(b for b, o in enumerate(self.owners) if o.state == "loading")
-            victim = self.owners[buffer]
+            loading = [b for b in range(len(self.buffers)) if self._owner(b).state == "loading"]
+            if not loading:
+                return None
+            buffer = loading[0]
+            victim = self._owner(buffer)
             victim.state, victim.buffer, victim.ready = "host", None, None
             self.pending.append(weakref.ref(victim))
             self.owners[buffer] = None
@@ -338,3 +418,4 @@ class OffloadPool:
             torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)
         ]
         self.owners, self.buffer_free = [None] * count, [None] * count
+        self.buffer_written = [None] * count
