@@ -99,6 +99,47 @@ def test_aux_loss_and_its_router_grads_match_transformers(pair):
             torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-6, rtol=1e-4)
 
 
+def test_loss_plus_aux_grads_match_transformers_in_every_checkpointing_mode(pair):
+    """transformers' `loss + coef * aux` (output_router_logits=True): our loss + coef * aux
+    gives the same loss and gradients with no checkpointing, recompute and offload (the CPU
+    run of the offload schedule), and the modes agree with each other bitwise."""
+    from slipstream.memory.offload import apply_checkpointing
+
+    hf, ours, _ = pair
+    coef, ids = 0.2, _ids(17, 12)  # a large coefficient, so the aux gradient is no rounding
+    hf.zero_grad()
+    hf.router_aux_loss_coef = coef
+    try:
+        ref = hf(ids[None], labels=ids[None], output_router_logits=True).loss
+    finally:
+        hf.router_aux_loss_coef = hf.config.router_aux_loss_coef
+    ref.backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    seq, labels = SeqInfo.from_lengths([17]), shifted_labels(ids, [17])
+    results = {}
+    set_router_aux_loss_coef(ours, coef)
+    try:
+        for mode, kwargs in [
+            ("none", {}),
+            ("recompute", {}),
+            ("offload", dict(force=True, min_offload_bytes=0)),
+        ]:
+            apply_checkpointing(ours, mode, **kwargs)
+            ours.zero_grad()
+            loss = ours.loss(ids, labels, seq) + coef * moe_aux_loss(ours)
+            loss.backward()
+            results[mode] = loss.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}
+    finally:
+        set_router_aux_loss_coef(ours, 0.0)
+        apply_checkpointing(ours, "none")
+    for mode, (loss, grads) in results.items():
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, hf_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+            assert torch.equal(grad, results["none"][1][name]), f"{mode}: {name}"
+        assert torch.equal(loss, results["none"][0])
+
+
 def test_round_trip_save_model_loads_in_transformers(pair, tmp_path):
     import transformers
 

@@ -104,8 +104,9 @@ def test_full_finetune_bitwise_identical(request, family):
 
 @pytest.mark.parametrize("aux_loss_coef", [0.0, 0.01])
 def test_moe_bitwise_identical(moe_dir, aux_loss_coef):
-    """Qwen3-MoE: routed experts offload like dense layers; with the auxiliary loss on, its
-    layers fall back to recompute so the router's aux gradient is kept."""
+    """Qwen3-MoE: routed experts offload like dense layers, with the auxiliary loss on too:
+    the router stats' probability sums are outputs of the offloaded layer's Function, so the
+    aux gradient reaches the routers through the recompute."""
     from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
 
     def run(mode, **kwargs):
@@ -117,16 +118,67 @@ def test_moe_bitwise_identical(moe_dir, aux_loss_coef):
         aux = moe_aux_loss(model)
         (loss if aux is None else loss + aux_loss_coef * aux).backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        return (loss.detach(), grads), pool
+        assert all(b.router_stats is None for b in model.modules() if hasattr(b, "router_stats"))
+        return (loss.detach(), grads), aux, pool
 
-    reference, _ = run("none")
+    reference, aux_reference, _ = run("none")
     assert all(g is not None for g in reference[1].values())
+    assert (aux_reference is None) == (aux_loss_coef == 0)
     for name, kwargs in MODES.values():
-        result, pool = run(name, **kwargs)
+        result, aux, pool = run(name, **kwargs)
         _assert_identical(result, reference)
-        if pool is not None:
-            offloaded = pool.stats().bytes_offloaded
-            assert offloaded == (0 if aux_loss_coef else 2 * 23 * 32 * 4)
+        if aux_loss_coef:
+            assert torch.equal(aux, aux_reference)
+        if pool is not None:  # every layer but the last offloaded, aux loss or not
+            assert pool.stats().bytes_offloaded == 2 * 23 * 32 * 4
+
+
+@pytest.mark.parametrize("coef", [0.01, 0.3])
+def test_moe_aux_loss_gradients_under_offload(moe_dir, coef):
+    """The aux loss alone, and loss + aux from two forwards before one backward (the second
+    forward's router stats must not leak into the first graph's recompute): every gradient,
+    routers included, as without checkpointing."""
+    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+
+    def run(mode, **kwargs):
+        model = _model(moe_dir)
+        set_router_aux_loss_coef(model, coef)
+        apply_checkpointing(model, mode, **kwargs)
+        ids, _, seq = _batch()
+        model(ids, seq)
+        moe_aux_loss(model).backward()  # aux alone: the layers' backward still runs
+        alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        objectives = []
+        for seed in (1, 2):
+            loss = model.loss(*_batch(lengths=[9, 14] if seed == 2 else LENGTHS, seed=seed))
+            objectives.append(loss + coef * moe_aux_loss(model))
+        sum(objectives).backward()
+        return alone, {n: p.grad for n, p in model.named_parameters()}
+
+    ref_alone, ref_both = run("none")
+    routers = [n for n in ref_alone if ".mlp.gate." in n]
+    assert len(routers) == 3 and all(ref_alone[n].abs().sum() > 0 for n in routers)
+    for name, kwargs in MODES.values():
+        alone, both = run(name, **kwargs)
+        for n in routers:
+            assert torch.equal(alone[n], ref_alone[n]), f"aux-only gradient of {n}"
+        for n, g in ref_both.items():
+            assert torch.equal(both[n], g), f"gradient of {n} ({name})"
+
+
+def test_moe_aux_loss_offload_step_has_no_host_syncs(moe_dir):
+    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+
+    model = _model(moe_dir)
+    set_router_aux_loss_coef(model, 0.01)
+    pool = apply_checkpointing(model, "offload", **OFFLOAD)
+    ids, labels, seq = _batch()
+    for _ in range(2):  # the first step allocates the pool
+        with count_syncs() as syncs:
+            (model.loss(ids, labels, seq) + 0.01 * moe_aux_loss(model)).backward()
+    assert syncs.total == 0, str(syncs)
+    assert pool.stats().bytes_offloaded == 2 * 2 * 23 * 32 * 4
 
 
 def _lora_available() -> bool:

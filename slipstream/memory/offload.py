@@ -16,7 +16,11 @@ checkpoints; parameter and `state_dict()` names do not change.
   the reload buffers, so backward holds at most two layer inputs on the device (one with a
   single buffer); inputs under `min_offload_bytes` stay on the device. RNG state (dropout)
   is restored for the recompute, as torch checkpoint does.
-  Layers holding an MoE block with an auxiliary loss recompute instead (see `_has_side_outputs`).
+  An MoE block with an auxiliary loss leaves `router_stats` whose `probs_sum_E` must carry
+  the router's gradient: the Function returns each such (E,) tensor as an extra output and
+  puts it back into the stats, so `moe_aux_loss` builds on graph tensors as without offload.
+  Backward feeds their gradients, with the layer output's, into the recompute's
+  `autograd.grad`; the engine runs the aux loss's backward first because it consumes them.
 - "none": the model is left as it is (an earlier wrapping is undone).
 
 On CPU and on integrated GPUs "offload" means "recompute" (nothing to gain), unless
@@ -97,7 +101,8 @@ class _OffloadedLayer(torch.autograd.Function):
 
     Inputs: (layer, seq, cos_sin, x_TD, *params that require grad). `seq` and `cos_sin`
     pass through untracked (they never need grad); params are inputs so their gradients
-    flow back through the engine like any other leaf's.
+    flow back through the engine like any other leaf's. Outputs: (out_TD, *probs_sum_E of
+    the layer's router-stats blocks, in `_stats_blocks` order).
     """
 
     @staticmethod
@@ -106,15 +111,17 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx.layer, ctx.seq, ctx.cos_sin = layer, seq, cos_sin
         ctx.rng = _RngState(x_TD.device) if plan.preserve_rng_state else None
         ctx.autocast = _autocast_state(x_TD.device.type)
+        ctx.set_materialize_grads(False)  # an unused side output costs no backward work
         # Issue the copy before the layer runs so that it overlaps the layer's forward.
         # The last layer's input goes into a reload buffer (see `OffloadPool.keep`).
         save = plan.pool.keep if plan.last else plan.pool.save
         ctx.saved = save(plan.index, x_TD)
         ctx.save_for_backward(*(params if ctx.saved is not None else (x_TD, *params)))
-        return layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
+        out_TD = layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
+        return (out_TD, *(b.router_stats.probs_sum_E for b in _stats_blocks(layer)))
 
     @staticmethod
-    def backward(ctx, grad_TD):
+    def backward(ctx, grad_TD, *grad_probs):
         layer, saved = ctx.layer, ctx.saved
         plan: _Plan = layer._slipstream_plan
         pool = plan.pool
@@ -128,14 +135,37 @@ class _OffloadedLayer(torch.autograd.Function):
         rng = ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext()
         autocast = torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on)
         pool._note("recompute", plan.index)
-        with torch.enable_grad(), rng, autocast:
+        with torch.enable_grad(), rng, autocast, _router_stats_kept(layer) as blocks:
             out_TD = layer._slipstream_base.forward(layer, x_TD, ctx.seq, ctx.cos_sin)
+            outputs = [out_TD, *(b.router_stats.probs_sum_E for b in blocks)]
+        pairs = [(o, g) for o, g in zip(outputs, (grad_TD, *grad_probs)) if g is not None]
         inputs = ([x_TD] if x_TD.requires_grad else []) + list(params)
-        grads = torch.autograd.grad(out_TD, inputs, grad_TD, allow_unused=True)
-        del out_TD, x_TD  # the buffer's readers are all enqueued now
+        grads = [None] * len(inputs)
+        if pairs:
+            outs, grad_outs = zip(*pairs)
+            grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=True)
+        del out_TD, x_TD, outputs, pairs  # the buffer's readers are all enqueued now
         pool.backward_end(plan.index, saved)
         grad_x = grads[0] if ctx.needs_input_grad[3] else None
         return (None, None, None, grad_x, *grads[len(grads) - len(params) :])
+
+
+def _stats_blocks(layer: nn.Module) -> list[nn.Module]:
+    """The layer's MoE blocks that record router stats for an auxiliary loss (coef > 0)."""
+    return [m for m in layer.modules() if getattr(m, "aux_loss_coef", 0.0) > 0]
+
+
+@contextlib.contextmanager
+def _router_stats_kept(layer: nn.Module):
+    """A recompute in backward records router stats again: put back what was there (None
+    after `moe_aux_loss` read them, or a later forward's) so no stale stats are left."""
+    blocks = _stats_blocks(layer)
+    kept = [b.router_stats for b in blocks]
+    try:
+        yield blocks
+    finally:
+        for block, stats in zip(blocks, kept):
+            block.router_stats = stats
 
 
 def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tensor:
@@ -144,26 +174,21 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tenso
     base = self._slipstream_base.forward
     if not torch.is_grad_enabled():  # eval / generation: nothing to save
         return base(self, x_TD, seq, cos_sin)
-    if plan.mode == "recompute" or _has_side_outputs(self):
+    if plan.mode == "recompute":
         return checkpoint(
             base, self, x_TD, seq, cos_sin, use_reentrant=False,
             preserve_rng_state=plan.preserve_rng_state,
+            context_fn=lambda: (contextlib.nullcontext(), _router_stats_kept(self)),
         )  # fmt: skip
     params = [p for p in self.parameters() if p.requires_grad]
     if not (x_TD.requires_grad or params):
         return base(self, x_TD, seq, cos_sin)
     if isinstance(cos_sin, tuple | list) and any(getattr(t, "requires_grad", 0) for t in cos_sin):
         raise ValueError("cos_sin requires grad; activation offload passes it through untracked")
-    return _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
-
-
-def _has_side_outputs(layer: nn.Module) -> bool:
-    """An MoE block with an auxiliary loss stores router stats that need the forward's graph;
-    a graph-free forward would drop that gradient, so such layers recompute instead."""
-    if not any(getattr(m, "aux_loss_coef", 0.0) > 0 for m in layer.modules()):
-        return False
-    _log_once("activation offload: MoE layers with router_aux_loss_coef > 0 recompute instead")
-    return True
+    out_TD, *probs = _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
+    for block, probs_sum_E in zip(_stats_blocks(self), probs):
+        block.router_stats.probs_sum_E = probs_sum_E  # now a graph tensor: the aux loss's
+    return out_TD  # gradient reaches this layer's backward through it
 
 
 _CLASSES: dict[type, type] = {}

@@ -13,6 +13,10 @@ Auxiliary load-balancing loss: when a block's `aux_loss_coef` is > 0, each forwa
 `router_stats` (per-expert routed-row counts and summed router probabilities, on the device);
 `moe_aux_loss(model)` pools them over the layers exactly as transformers'
 `load_balancing_loss_func` does. The trainer adds `router_aux_loss_coef(model) * aux`.
+The aux gradient reaches each router through `probs_sum_E`'s graph in every checkpointing
+mode: under activation offload, where a layer's forward runs without a graph, the layer's
+autograd Function returns each block's `probs_sum_E` as an extra output and recomputes it in
+backward (`slipstream.memory.offload`), so the pooled loss is built the same way.
 
 Shapes: T tokens, D hidden, E experts, K top-k, R = T*K routed rows, F = 2I, I expert width.
 """
