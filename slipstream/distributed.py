@@ -26,7 +26,6 @@ import atexit
 import datetime
 import inspect
 import os
-import re
 import sys
 import weakref
 from collections import Counter
@@ -239,21 +238,20 @@ def shard_rows(rows: Any) -> tuple[Any, int]:
     return rows[start:stop], start
 
 
-def tokenize_sharded(tokenize: Callable[[Any], tuple[list, Any]], rows: Any, what: str):
-    """`tokenize(rows)` -> (examples, report), each rank on its slice, then every rank gets
+def tokenize_sharded(tokenize: Callable[[Any, int], tuple[list, Any]], rows: Any, what: str):
+    """`tokenize(rows, first_row)` -> (examples, report), each rank on its slice (rows named
+    by their number in the whole split), then every rank gets
     all examples in row order. A rank's error is gathered too and raised on every rank with
     that rank's message, so a bad shard stops the job at once instead of leaving the other
     ranks waiting in the next collective."""
     if world_size() == 1:
-        return tokenize(rows)
+        return tokenize(rows, 0)
     mine, start = shard_rows(rows)
     result, error = None, None
     try:
-        result = tokenize(mine)
+        result = tokenize(mine, start)
     except (ValueError, FileNotFoundError) as e:
-        # tokenize_rows numbers rows from 0 in the slice it got: give the split's number.
-        text = re.sub(r"data row (\d+)", lambda m: f"data row {start + int(m[1])}", str(e))
-        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {text}"
+        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {e}"
     gathered = gather_objects((result, error))
     failed = [err for _, err in gathered if err is not None]
     if failed:

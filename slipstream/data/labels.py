@@ -187,11 +187,13 @@ def tokenize_rows(
     overlong: str = "truncate",
     strict: bool = False,
     num_proc: int | None = None,
+    first_row: int = 0,
 ) -> tuple[list[Example], DataReport]:
     """Tokenize a `datasets.Dataset` (or list of dicts) into Examples, counting every skip.
 
     `strict=True` makes the first malformed row an error. `num_proc=None` uses several
-    processes only for datasets over 20k rows.
+    processes only for datasets over 20k rows. `first_row` is the number of `rows[0]` in
+    messages (a shard of a larger split names rows by their place in the split).
     """
     if train_on not in ("assistant", "all"):
         raise ValueError(f"train_on = {train_on!r}; use 'assistant' or 'all'.")
@@ -231,7 +233,7 @@ def tokenize_rows(
 
     report = DataReport(rows=len(rows))
     examples = []
-    for index, (ex, status, truncated) in enumerate(results):
+    for index, (ex, status, truncated) in enumerate(results, start=first_row):
         report.truncated += truncated
         if status == "dropped":
             report.dropped += 1

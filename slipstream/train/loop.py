@@ -336,8 +336,8 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
 
     # Under torchrun each rank tokenizes a slice of the rows and all get every example back,
     # in row order: every rank packs the same batches, as one process would.
-    def tokenize(rows):
-        return tokenize_rows(rows, tokenizer, **options)
+    def tokenize(rows, first_row):
+        return tokenize_rows(rows, tokenizer, first_row=first_row, **options)
 
     examples, report = dist.tokenize_sharded(tokenize, train_rows, "train")
     if not examples:
