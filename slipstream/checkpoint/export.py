@@ -22,18 +22,15 @@ SUMMARY_FILE = "export_summary.json"
 def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Merge LoRA (if any) into `model` in place; save it and the tokenizer at `directory`."""
     from slipstream.peft.lora import lora_modules, merge_lora
-    from slipstream.peft.lora_experts import expert_lora_modules, merge_expert_lora
+    from slipstream.peft.lora_experts import expert_lora_modules
+    from slipstream.peft.qlora import dequantize_model, has_4bit_weights
 
-    dequantized = _is_quantized(model)
+    dequantized = has_4bit_weights(model)
     if dequantized:
-        from slipstream.peft.qlora import dequantize_model
-
         dequantize_model(model)
     merged = [*lora_modules(model), *expert_lora_modules(model)]
-    if expert_lora_modules(model):
-        merge_expert_lora(model)
-    if lora_modules(model):
-        merge_lora(model)
+    if merged:
+        merge_lora(model)  # expert LoRA too
     out = save_model(model, directory)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
@@ -50,7 +47,3 @@ def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any 
     }
     atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return out
-
-
-def _is_quantized(model: CausalLM) -> bool:
-    return any(type(p).__name__ == "Params4bit" for p in model.parameters())

@@ -182,7 +182,9 @@ def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
     """Write config.json + safetensors in the HF layout that `transformers` loads unchanged."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+    from slipstream.peft.qlora import has_4bit_weights
+
+    if has_4bit_weights(model):
         raise ValueError(
             "save_model: the model has 4-bit (NF4) weights; use export_merged() "
             "(or peft.qlora.dequantize_model) to write a full-precision checkpoint."

@@ -42,6 +42,11 @@ def require_bitsandbytes() -> ModuleType:
     return bitsandbytes
 
 
+def has_4bit_weights(model: nn.Module) -> bool:
+    """Whether any parameter is a bitsandbytes 4-bit one (checked by type name: no import)."""
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
+
+
 def is_prequantized(hf: dict) -> bool:
     """True for a config.json written by transformers with a bitsandbytes 4-bit model."""
     qc = hf.get("quantization_config") or {}
