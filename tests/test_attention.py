@@ -124,3 +124,16 @@ def test_cuda_attend_matches_cpu(window, use_sinks):
     s = sinks.cuda() if use_sinks else None
     out = attend(*cuda, seq, window=window, sinks=s)
     torch.testing.assert_close(out.float().cpu(), ref.detach(), atol=3e-2, rtol=3e-2)
+
+
+def test_seqinfo_to_copies_the_host_buffer_instead_of_rebuilding(monkeypatch):
+    seq = SeqInfo.from_lengths([3, 1, 2])
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("SeqInfo.to rebuilt the metadata from the lengths")
+
+    monkeypatch.setattr(SeqInfo, "from_lengths", no_rebuild)
+    moved = seq.to("meta")  # a device other than the CPU, available everywhere
+    assert moved.device.type == "meta" and moved.lengths == seq.lengths
+    assert moved.cu_seqlens.shape == (4,) and moved.position_ids.dtype == torch.int64
+    assert moved.seq_ids.shape == (6,) and moved.max_seqlen == 3

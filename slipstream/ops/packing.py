@@ -42,6 +42,8 @@ class SeqInfo:
     position_ids: torch.Tensor
     seq_ids: torch.Tensor
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    # The int32 host buffer the fields were cut from, so `.to(device)` is a copy, not a rebuild.
+    _host: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def total_tokens(self) -> int:
@@ -61,17 +63,22 @@ class SeqInfo:
     ) -> SeqInfo:
         """Build all metadata on the host from `lengths`; one non-blocking copy to `device`."""
         lengths = tuple(_check_lengths(lengths))
-        total = sum(lengths)
         cu = [0, *itertools.accumulate(lengths)]
         positions = [p for n in lengths for p in range(n)]
         seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
         # One host buffer: [cu_seqlens (N+1) | max_seqlen (1) | positions (T) | seq_ids (T)].
         host = torch.tensor([*cu, max(lengths), *positions, *seq_ids], dtype=torch.int32)
+        return cls._from_host(lengths, host, device)
+
+    @classmethod
+    def _from_host(
+        cls, lengths: tuple[int, ...], host: torch.Tensor, device: torch.device | str | None
+    ) -> SeqInfo:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda":
+        if device.type == "cuda" and not host.is_pinned():
             host = host.pin_memory()
         buf = host.to(device, non_blocking=True)
-        n = len(lengths)
+        n, total = len(lengths), sum(lengths)
         return cls(
             lengths=lengths,
             cu_seqlens=buf[: n + 1],
@@ -79,13 +86,16 @@ class SeqInfo:
             max_seqlen_t=buf[n + 1],
             position_ids=buf[n + 2 : n + 2 + total].long(),
             seq_ids=buf[n + 2 + total :],
+            _host=host,
         )
 
     def to(self, device: torch.device | str) -> SeqInfo:
-        """The same metadata on `device` (rebuilt from the host lengths: one copy, no sync)."""
+        """The same metadata on `device`: one non-blocking copy of the host buffer, no sync."""
         if torch.device(device) == self.device:
             return self
-        return SeqInfo.from_lengths(self.lengths, device)
+        if self._host is None:  # not built on the host: rebuild from the host lengths
+            return SeqInfo.from_lengths(self.lengths, device)
+        return SeqInfo._from_host(self.lengths, self._host, device)
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the derived structure under `key`, building it on first use only."""
