@@ -137,3 +137,106 @@ def test_seqinfo_to_copies_the_host_buffer_instead_of_rebuilding(monkeypatch):
     assert moved.device.type == "meta" and moved.lengths == seq.lengths
     assert moved.cu_seqlens.shape == (4,) and moved.position_ids.dtype == torch.int64
     assert moved.seq_ids.shape == (6,) and moved.max_seqlen == 3
+
+
+# ------------------------------------------------------------------------- FlexAttention path
+
+
+def _tiles_by_brute_force(lengths, window, block):
+    """(partial, full) tiles from the dense token mask over the padded stream."""
+    padded = -(-sum(lengths) // block) * block
+    pad = padded - sum(lengths)
+    allowed = dense_causal_mask(
+        SeqInfo.from_lengths(list(lengths) + ([pad] if pad else [])), window
+    )
+    tiles = allowed.view(padded // block, block, padded // block, block).permute(0, 2, 1, 3)
+    any_, all_ = tiles.flatten(2).any(-1), tiles.flatten(2).all(-1)
+    return any_ & ~all_, all_
+
+
+@pytest.mark.parametrize("window", [None, 5, 16, 40])
+@pytest.mark.parametrize(
+    "lengths", [[5, 1, 9, 3], [16, 16], [40], [7, 30, 2, 25, 1, 11], [1] * 19, [64]]
+)
+def test_flex_block_tiles_match_the_token_mask(lengths, window):
+    partial, full = attention.flex_block_tiles(lengths, window, block=8)
+    ref_partial, ref_full = _tiles_by_brute_force(lengths, window, block=8)
+    assert torch.equal(full, ref_full)
+    assert torch.equal(partial, ref_partial)
+
+
+@pytest.mark.parametrize("window", [None, 3, 130])
+@pytest.mark.parametrize("use_sinks", [False, True])
+@pytest.mark.parametrize("lengths", [LENGTHS, [100, 150, 7], [128, 128]])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_matches_reference(lengths, window, use_sinks):
+    """The CUDA-only FlexAttention path, run eagerly on CPU (forward: flex has no CPU backward),
+    over a stream padded to FLEX_BLOCK with a host-built BlockMask."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (x.detach() for x in _qkv(sum(lengths), seed=3))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if use_sinks else None
+    seq = SeqInfo.from_lengths(lengths)
+    out = attention._flex(q, k, v, seq, window, sinks, None)
+    ref = _reference(q, k, v, lengths, window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert attention.flex_block_mask(seq, window) is attention.flex_block_mask(seq, window)
+
+
+@pytest.mark.parametrize("window", [None, 64, 200])
+@pytest.mark.parametrize("lengths", [[100, 150, 7], [300, 20, 500, 3], [1] * 200, [256]])
+def test_flex_block_mask_equals_create_block_mask(lengths, window):
+    """The host-built mask is the BlockMask torch's own `create_block_mask` derives from the
+    same mask_mod: the same partial and full tiles, in both directions (forward, backward)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    seq = SeqInfo.from_lengths(lengths)
+    ours = attention.flex_block_mask(seq, window)
+    T = attention.flex_padded_tokens(seq)
+    ref = flex.create_block_mask(ours.mask_mod, None, None, T, T, device="cpu")
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_flex_compiles_once_across_batch_lengths():
+    """Packed batches change length every step: the flex kernel compiled with dynamic shapes
+    over the FLEX_BLOCK-padded stream must be reused, not recompiled per batch (forward on
+    CPU; the gpu test below covers backward on CUDA)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    fn = torch.compile(flex.flex_attention, dynamic=True)
+    before = None
+    for lengths in ([100, 150, 7], [300, 20], [50, 50, 50, 50, 90, 7]):
+        seq = SeqInfo.from_lengths(lengths)
+        padded = attention.flex_padded_tokens(seq)
+        q, k, v = (torch.randn(1, h, padded, 64) for h in (4, 2, 2))
+        fn(q, k, v, block_mask=attention.flex_block_mask(seq), enable_gqa=True)
+        before = _graphs_compiled() if before is None else before
+    assert _graphs_compiled() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 128])
+def test_cuda_flex_matches_cpu_across_lengths_without_recompiling(window):
+    """GPT-OSS attention (sinks: always the flex path) over batches of changing length:
+    output and gradients against the CPU float32 path, one compiled graph for all of them."""
+    compiled_after_first = None
+    for i, lengths in enumerate(([700, 300, 24], [1500, 9, 400], [64] * 20 + [3])):
+        q, k, v = _qkv(sum(lengths), H=8, G=2, Dh=64, seed=i)
+        sinks = torch.randn(8, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        ref = attend(q, k, v, SeqInfo.from_lengths(lengths), window=window, sinks=sinks)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
+        cuda = [x.detach().cuda().requires_grad_() for x in (q, k, v, sinks)]
+        out = attend(*cuda[:3], SeqInfo.from_lengths(lengths, "cuda"), window, sinks=cuda[3])
+        grads = torch.autograd.grad(out.square().sum(), cuda)
+        torch.testing.assert_close(out.cpu(), ref.detach(), atol=2e-3, rtol=2e-3)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g.cpu(), r, atol=2e-2, rtol=2e-2)
+        compiled_after_first = compiled_after_first or _graphs_compiled()
+    assert _graphs_compiled() == compiled_after_first

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -161,40 +162,127 @@ def _varlen(q_THD, k_TGD, v_TGD, seq, window, scale):
     )  # fmt: skip
 
 
-def flex_block_mask(seq: SeqInfo, window: int | None = None):
-    """Document-causal (optionally windowed) FlexAttention BlockMask, cached on `seq`."""
-    from torch.nn.attention.flex_attention import create_block_mask
+# FlexAttention works on tiles of FLEX_BLOCK queries x FLEX_BLOCK keys. The flex path pads the
+# packed stream to a multiple of it with one extra "padding sequence" (which attends only to
+# itself and whose output is dropped): no mask_mod ever indexes past the end, and every batch
+# length meets the same divisibility guards, so the kernel compiled with dynamic shapes is
+# reused across batches instead of recompiled for each new T.
+FLEX_BLOCK = 128
 
-    seq_ids, pos = seq.seq_ids, seq.position_ids
+
+def flex_padded_tokens(seq: SeqInfo) -> int:
+    return -(-seq.total_tokens // FLEX_BLOCK) * FLEX_BLOCK
+
+
+def flex_block_tiles(lengths, window: int | None = None, block: int = FLEX_BLOCK):
+    """Which (query tile, key tile) pairs a document-causal mask touches, from host lengths.
+
+    -> (partial, full): (nb, nb) bool host tensors over the padded stream (the padding counts
+    as one more sequence). `full` tiles are wholly visible (no mask_mod call needed); `partial`
+    tiles are visible in part. Query tile i covers tokens [i*block, (i+1)*block). Each query q
+    sees keys [max(start(q), q - window + 1), q]; over a tile those ranges join into one run,
+    [lo_i, end of tile i], so tile i touches key tiles lo_i // block .. i. A tile pair is full
+    when both tiles lie inside one sequence, the key tile is strictly before the query tile and
+    the window (if any) reaches from the tile's last query back to the key tile's first key.
+    """
+    lengths = list(lengths)
+    padded = -(-sum(lengths) // block) * block
+    if padded > sum(lengths):
+        lengths.append(padded - sum(lengths))
+    ends = torch.tensor([*itertools.accumulate(lengths)])
+    starts = ends - torch.tensor(lengths)
+    nb = padded // block
+    q_first = torch.arange(nb) * block
+    # Start of the sequence holding each tile's first and last token.
+    first = starts[torch.searchsorted(ends, q_first, right=True)]
+    last = starts[torch.searchsorted(ends, q_first + block - 1, right=True)]
+    i = torch.arange(nb)
+    lo = first if window is None else torch.maximum(first, q_first - window + 1)
+    j = i[None, :]
+    visible = (j >= (lo // block)[:, None]) & (j <= i[:, None])
+    one_seq = (first == last)[:, None]  # query tile inside one sequence
+    key_inside = j * block >= first[:, None]  # key tile starts inside that sequence
+    full = visible & one_seq & key_inside & (j < i[:, None])
+    if window is not None:
+        full &= (q_first + block - 1)[:, None] - j * block < window
+    return visible & ~full, full
+
+
+def flex_block_mask(seq: SeqInfo, window: int | None = None):
+    """Document-causal (optionally windowed) FlexAttention BlockMask over the padded stream.
+
+    The tile structure comes from the host lengths (`flex_block_tiles`) and reaches the
+    device in one non-blocking copy; only the partial tiles call `mask_mod`. Cached on `seq`.
+    """
+    return seq.cached(("block_mask", window), lambda: _build_flex_mask(seq, window))
+
+
+def _build_flex_mask(seq: SeqInfo, window: int | None):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T, padded = seq.total_tokens, flex_padded_tokens(seq)
+    partial, full = flex_block_tiles(seq.lengths, window)
+    nb = partial.shape[0]
+    # Ordered form: per query tile, the count, then the key tile indices (listed ones first).
+    host = torch.cat([
+        partial.sum(1), _listed_first(partial).flatten(),
+        full.sum(1), _listed_first(full).flatten(),
+    ]).to(torch.int32)  # fmt: skip
+    if seq.device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(seq.device, non_blocking=True)
+    kv_num, kv_idx, full_num, full_idx = buf.split([nb, nb * nb, nb, nb * nb])
+    # Sequence id of every padded position; the padding is one more sequence.
+    seq_ids = torch.cat([seq.seq_ids, seq.seq_ids.new_full((padded - T,), seq.num_seqs)])
 
     def mask_mod(b, h, q_idx, kv_idx):
-        delta = pos[q_idx] - pos[kv_idx]
-        ok = (seq_ids[q_idx] == seq_ids[kv_idx]) & (delta >= 0)
-        return ok & (delta < window) if window is not None else ok
+        ok = (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
+        return ok & (q_idx - kv_idx < window) if window is not None else ok
 
-    T = seq.total_tokens
-    return seq.cached(
-        ("block_mask", window),
-        lambda: create_block_mask(mask_mod, None, None, T, T, device=seq.device),
-    )
+    return BlockMask.from_kv_blocks(
+        kv_num.view(1, 1, nb), kv_idx.view(1, 1, nb, nb),
+        full_num.view(1, 1, nb), full_idx.view(1, 1, nb, nb),
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(padded, padded),
+    )  # fmt: skip
+
+
+def _listed_first(tiles_NN: torch.Tensor) -> torch.Tensor:
+    """Per row, the column indices of the True entries first (in order), then the rest."""
+    return torch.argsort((~tiles_NN).to(torch.int8), dim=1, stable=True)
 
 
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=True: T changes every batch; one shape-generic kernel instead of a recompile
+    # per batch (and eager fallback once the recompile limit is hit).
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _flex(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
+    """FlexAttention over the padded stream (compiled on CUDA; eager elsewhere, for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    T = seq.total_tokens
+    pad = flex_padded_tokens(seq) - T
     block_mask = flex_block_mask(seq, window)
-    q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_TGD, v_TGD))
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for x in (q_THD, k_TGD, v_TGD))
     gqa = k_TGD.shape[1] != q_THD.shape[1]
+    fn = _compiled_flex() if q_THD.is_cuda else flex_attention
     if sinks_H is None:
-        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
-    out, lse_1HT = _compiled_flex()(
-        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True
-    )
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return out[0, :, :T].transpose(0, 1)
+    out, lse_1HT = _flex_with_lse(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     rescale_1HT = torch.sigmoid(lse_1HT - sinks_H.float()[None, :, None])
-    return (out * rescale_1HT[..., None].to(out.dtype))[0].transpose(0, 1)
+    return (out * rescale_1HT[..., None].to(out.dtype))[0, :, :T].transpose(0, 1)
+
+
+def _flex_with_lse(fn, *args, **kwargs):
+    """(out, lse): `return_aux=AuxRequest(lse=True)` where torch has it, else `return_lse`."""
+    from torch.nn.attention import flex_attention as fa
+
+    if hasattr(fa, "AuxRequest"):
+        out, aux = fn(*args, return_aux=fa.AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return fn(*args, return_lse=True, **kwargs)
