@@ -74,7 +74,7 @@ def predicted_speedup(hf: dict, lengths: list[int], num_labels: int) -> float:
                                          "head_dim", "intermediate_size"))  # fmt: skip
     body = L * (D * Dh * (2 * heads + 2 * kv) + 3 * D * F + 2 * D) + D
     T = sum(lengths)
-    rest = 6 * body * T + common.attention_flops(lengths, hf)
+    rest = 6 * body * T + common.step_flops(hf, lora=False).attention(lengths)
     return (rest + 6 * V * D * T) / (rest + 6 * V * D * num_labels)
 
 

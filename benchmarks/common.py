@@ -268,47 +268,16 @@ def per_expert_loop() -> Iterator[None]:
 # ----------------------------------------------------------------------------- FLOPs
 
 
-def active_params(model: torch.nn.Module, hf: dict[str, Any]) -> int:
-    """Parameters one token's forward multiplies by (N in 6NT): all but the input embedding
-    (counted once when tied, as the head), experts scaled by top-k / num_experts; LoRA
-    adapter weights excluded (LoRA rows use the base model's N)."""
-    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
-    top_k = hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 0
-    total = 0.0
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            continue
-        if name.endswith("embed_tokens.weight") and not hf.get("tie_word_embeddings"):
-            continue
-        share = top_k / experts if experts and ".experts." in name else 1.0
-        total += p.numel() * share
-    return int(total)
+def step_flops(hf: dict[str, Any], lora: bool):
+    """The trainer's FLOP formula (`slipstream.train.flops.StepFlops`) for a model of `hf`'s
+    shape, counted on a meta-device build: no memory, the same N for ours and transformers."""
+    from slipstream.models import family_for
+    from slipstream.train.flops import StepFlops
 
-
-def attention_flops(lengths: Sequence[int], hf: dict[str, Any]) -> float:
-    """Training FLOPs of the attention scores and weighted sum (not in 6NT): per layer and
-    sequence, forward = 2 matmuls * 2 FLOP * H * Dh * (keys each query sees, causal or
-    windowed), backward = 2x forward."""
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention"] * layers
-    window = hf.get("sliding_window")
-    total = 0.0
-    for kind in types[:layers]:
-        for n in lengths:
-            if kind == "sliding_attention" and window and n > window:
-                keys = window * (window + 1) / 2 + (n - window) * window
-            else:
-                keys = n * (n + 1) / 2
-            total += 3 * 4 * heads * head_dim * keys
-    return total
-
-
-def train_flops(n_active: int, lengths: Sequence[int], hf: dict[str, Any], lora: bool) -> float:
-    """FLOPs of one training step: 4NT with LoRA (no weight gradients), 6NT full, + attention.
-    Recompute (checkpointing) is not counted: MFU measures useful work."""
-    return (4 if lora else 6) * n_active * sum(lengths) + attention_flops(lengths, hf)
+    family = family_for(hf.get("model_type"), "benchmark config")
+    with torch.device("meta"):
+        model = family.build(family.config_from_hf(hf))
+    return StepFlops(model, lora=lora)
 
 
 # ----------------------------------------------------------------------------- timing

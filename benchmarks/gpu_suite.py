@@ -16,7 +16,7 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
   attention the image has (flash_attention_2 if `flash_attn` imports, else sdpa), packed via
   position_ids when a runtime check shows that gives per-sequence results, padded otherwise.
 MFU = (4·N·T with LoRA or 6·N·T full, + attention FLOPs) / step time / 989 TFLOP/s (H200 bf16
-dense); N = active parameters (`common.active_params`), recompute not counted.
+dense); N = active parameters; the trainer's formula, `slipstream/train/flops.py`.
 Syncs per step: `count_syncs()` over one audited step (after warm-up), plus the number of
 `torch.cuda.set_sync_debug_mode("warn")` warnings in that step. Warm-up steps are not timed;
 `torch.cuda.synchronize()` runs only at the ends of each timed region. A failing row prints
@@ -183,7 +183,7 @@ def ours_row(v: Variant, setup: Setup) -> dict:
         switches.enter_context(common.per_expert_loop())
     with switches:
         row = measure_steps(step, setup, audit=not v.compile, offload_pool=pool)
-    row.update(n_active=common.active_params(model, hf), notes=note, packing="packed (varlen)")
+    row.update(notes=note, packing="packed (varlen)")
     row["attention"] = attention_backend(setup.device, hf)
     return row
 
@@ -294,7 +294,6 @@ def hf_row(v: Variant, setup: Setup) -> dict:
 
     row = measure_steps(step, setup, audit=True)
     row.update(
-        n_active=common.active_params(model.get_base_model(), hf),
         attention=attn,
         packing="packed (position_ids)" if packed else f"padded ({computed} tokens computed)",
         notes="gradient checkpointing, peft LoRA",
@@ -385,9 +384,10 @@ def run_row(v: Variant, setup: Setup) -> dict:
     if "step s" in row:
         tokens = sum(setup.lengths)
         row["tokens/s"] = tokens / row["step s"]
-        flops = common.train_flops(row["n_active"], setup.lengths, hf, lora=v.lora)
+        flops = common.step_flops(hf, lora=v.lora)
+        row["n_active"] = flops.n_active
         if setup.device.type == "cuda":
-            row["MFU %"] = 100 * flops / row["step s"] / H200_PEAK
+            row["MFU %"] = 100 * flops(setup.lengths) / row["step s"] / H200_PEAK
     return row
 
 

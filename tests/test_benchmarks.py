@@ -86,13 +86,16 @@ def test_rebuild_mask_matches_ours():
         assert (common.rebuild_mask(seq, window) == dense_causal_mask(seq, window)).all()
 
 
-def test_flops_formula():
-    hf = {"num_attention_heads": 2, "head_dim": 4, "hidden_size": 8, "num_hidden_layers": 1}
-    # one sequence of 3 tokens: 6 query-key pairs, 12 FLOP per pair per (head x dim).
-    assert common.attention_flops([3], hf) == 12 * 2 * 4 * 6
-    assert common.train_flops(100, [3], hf, lora=True) == 4 * 100 * 3 + 12 * 2 * 4 * 6
-    windowed = {**hf, "layer_types": ["sliding_attention"], "sliding_window": 2}
-    assert common.attention_flops([4], windowed) == 12 * 2 * 4 * (1 + 2 + 2 + 2)
+def test_suite_flops_are_the_trainers():
+    """The suite counts on a meta-device build; the trainer on the real model: same FLOPs."""
+    from slipstream.train.flops import StepFlops
+
+    hf = common.hf_config(
+        "qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = common.build_random_model(hf)
+    assert common.step_flops(hf, lora=True)([5, 9]) == StepFlops(model, lora=True)([5, 9])
 
 
 def check_suite_rows(rows: list[dict], out: str, models: set[str]) -> None:

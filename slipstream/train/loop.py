@@ -47,9 +47,9 @@ from slipstream.models.moe_block import (
     router_aux_loss_coef,
     set_router_aux_loss_coef,
 )
+from slipstream.train.flops import StepFlops
 from slipstream.train.metrics import (
     MetricsLog,
-    flops_per_token,
     peak_flops,
     peak_memory_gb,
     perplexity,
@@ -126,12 +126,12 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
     stream = micro_batch_stream(len(data.train_batches), t.seed, start=start_step * per_step)
     flop_rate = peak_flops(device)
-    flops_tok = flops_per_token(sum(p.numel() for p in model.parameters()), full)
+    step_flops = StepFlops(model, lora=not full) if flop_rate else None
     clip = t.clip if t.clip is not None else math.inf
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)  # MoE router aux loss, label-weighted
     log_aux = router_aux_loss_coef(model) > 0
-    interval_labels = interval_tokens = 0
+    interval_labels = interval_tokens = interval_flops = 0
     last_time, run_start = time.perf_counter(), time.perf_counter()
     status, step, last_loss, stopping = "completed", start_step, None, False
     model.train()
@@ -147,6 +147,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             optimizer.zero_grad(set_to_none=True)
             interval_labels += sum(b.num_labels for b in window)
             interval_tokens += sum(b.input_ids.numel() for b in window)
+            if step_flops:  # from the host lengths: no device work
+                interval_flops += sum(step_flops(b.seq.lengths) for b in window)
 
             # Under torchrun ranks agree on a stop at logged steps (a signal may reach them
             # in different steps); one process stops in the step the signal came in.
@@ -154,10 +156,11 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 # The one host sync of a logged step: sums over ranks (one collective under
                 # torchrun) and the grad norm in one transfer.
                 sums = dist.sum_over_ranks(
-                    [loss_sum, aux_sum, interval_labels, interval_tokens, stop.requested], device
-                )
+                    [loss_sum, aux_sum, interval_labels, interval_tokens, interval_flops,
+                     stop.requested], device,
+                )  # fmt: skip
                 norm_1 = dist.full_tensor(grad_norm).double().view(1)
-                loss_total, aux_total, labels, tokens, stops, norm = torch.cat(
+                loss_total, aux_total, labels, tokens, flops, stops, norm = torch.cat(
                     [sums, norm_1]
                 ).tolist()
                 last_loss = loss_total / max(labels, 1)
@@ -166,7 +169,9 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 now = time.perf_counter()
                 tokens_per_s = interval_tokens / max(now - last_time, 1e-9)
                 tokens_total += interval_tokens
-                mfu = tokens_per_s * flops_tok / flop_rate if flop_rate else None
+                # Every rank's useful FLOPs over every rank's peak (train/flops.py).
+                elapsed = max(now - last_time, 1e-9)
+                mfu = flops / elapsed / (flop_rate * world) if flop_rate else None
                 log.log(
                     {
                         "step": step,
@@ -182,7 +187,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 )
                 loss_sum.zero_()
                 aux_sum.zero_()
-                interval_labels = interval_tokens = 0
+                interval_labels = interval_tokens = interval_flops = 0
                 last_time = now
             log.bar.update(1)
 

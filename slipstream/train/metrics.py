@@ -30,14 +30,6 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def flops_per_token(num_params: int, full_finetune: bool) -> int:
-    """Training FLOPs per token: 6N for full fine-tuning; 4N with LoRA (no weight grads).
-
-    Ignores attention's T^2 term and counts every MoE expert (an overestimate for MoE).
-    """
-    return (6 if full_finetune else 4) * num_params
-
-
 def peak_memory_gb(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
