@@ -112,7 +112,7 @@ def runs(tiny_run, tmp_path_factory):  # noqa: F811
 def test_two_ranks_match_one_process(runs, mode):
     single, multi = runs / "single", runs / mode
     assert_same_run(single, multi)
-    # The eval loss (every rank evaluates the whole held-out set) moved the same way.
+    # The eval loss (each rank evaluates its share, summed over ranks) moved the same way.
     ev_single, ev_multi = eval_losses(single), eval_losses(multi)
     assert len(ev_multi) == 2 and ev_multi[1] < ev_multi[0]
     assert ev_multi == pytest.approx(ev_single, abs=1e-5)
@@ -180,3 +180,14 @@ def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):
     assert "rank 1 (train rows 12-24): data row 24" in result.stderr, result.stderr[-3000:]
     assert elapsed < 60
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("num_batches", [1, 2, 5, 6])
+def test_eval_share_covers_each_batch_once_with_equal_forwards(num_batches):
+    from slipstream.train.loop import eval_share
+
+    world = 3
+    shares = [eval_share(num_batches, r, world) for r in range(world)]
+    assert len({len(s) for s in shares}) == 1  # the same number of forwards on every rank
+    counted = sorted(i for s in shares for i, c in s if c)
+    assert counted == list(range(num_batches))

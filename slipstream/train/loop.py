@@ -288,16 +288,32 @@ def accumulate_gradients(
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, examples: list[Any], batches: list[list[int]], device):
-    """Mean loss per labelled token over the eval set (one host sync, at the end)."""
+    """Mean loss per labelled token over the eval set (one host sync, at the end).
+
+    Under torchrun each rank evaluates its share (`eval_share`) and one all-reduce sums the
+    losses and label counts: the same number as one process, in 1/world of the time.
+    """
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
-    for indices in batches:
-        batch = collate_batch(examples, indices, device)
-        total += batch_loss(model, batch).float()
-        count += batch.num_labels
+    for i, counted in eval_share(len(batches), dist.rank(), dist.world_size()):
+        batch = collate_batch(examples, batches[i], device)
+        loss = batch_loss(model, batch).float()
+        if counted:
+            total += loss
+            count += batch.num_labels
     model.train(was_training)
-    return (total / max(count, 1)).item()
+    total_all, count_all = dist.sum_over_ranks([total, count], device).tolist()
+    return total_all / max(count_all, 1)
+
+
+def eval_share(num_batches: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """(batch index, counted) pairs rank `rank` evaluates: every world-th batch, then padding
+    entries (batch 0, not counted) so every rank runs the same number of forwards, as FSDP
+    needs (each forward gathers the weights from all ranks)."""
+    mine = [(i, True) for i in range(rank, num_batches, world)]
+    rounds = -(-num_batches // world)
+    return mine + [(0, False)] * (rounds - len(mine))
 
 
 def batch_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
