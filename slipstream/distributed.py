@@ -76,7 +76,10 @@ def init(device: torch.device, *, timeout_s: float) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id binds NCCL's communicators to this rank's GPU up front (barriers and
+        # collectives then need no guess of the current device).
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         # A rank leaving on an error (exit status 2) must still tear its group down: a live
         # group at interpreter exit aborts the process (SIGABRT) and hides the exit status.
         atexit.register(_destroy)
@@ -172,7 +175,12 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
     except ImportError:  # torch < 2.5 keeps it in the private module
         from torch.distributed._composable.fsdp import register_fsdp_forward_method
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    # cast_forward_inputs=False: FSDP would otherwise rebuild every dataclass argument at every
+    # layer (dataclasses.replace), so each layer would get a fresh SeqInfo with an empty cache
+    # and rebuild its masks; the hidden states already arrive in the compute dtype.
+    policy = MixedPrecisionPolicy(
+        param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -217,8 +225,19 @@ def step_label_count(num_labels: int, device: torch.device) -> int | torch.Tenso
 
 
 def sum_over_ranks(values: list[Any], device: torch.device) -> torch.Tensor:
-    """The elementwise sum over ranks of a few numbers (tensors or host numbers), in float64."""
-    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    """The elementwise sum over ranks of a few numbers (tensors or host numbers), in float64.
+
+    Host numbers reach the device in one non-blocking copy from pinned memory (one pageable
+    copy each would be a stream sync apiece); device tensors stay where they are.
+    """
+    is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    host = torch.tensor([float(v) for v, t in zip(values, is_tensor) if not t], dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    from_host = iter(host.to(device, non_blocking=True))
+    flat = torch.stack(
+        [v.to(device, torch.float64) if t else next(from_host) for v, t in zip(values, is_tensor)]
+    )
     if world_size() > 1:
         dist.all_reduce(flat)
     return flat

@@ -191,3 +191,35 @@ def test_eval_share_covers_each_batch_once_with_equal_forwards(num_batches):
     assert len({len(s) for s in shares}) == 1  # the same number of forwards on every rank
     counted = sorted(i for s in shares for i, c in s if c)
     assert counted == list(range(num_batches))
+
+
+def test_fsdp_hands_every_layer_the_callers_seqinfo(monkeypatch):
+    """FSDP2 must not rebuild the SeqInfo per layer (its forward-input cast copies dataclasses):
+    every layer gets the caller's object, so masks derived from it are built once per forward."""
+    import torch.distributed as tdist
+    from helpers.models import make_hf_model
+
+    from slipstream import distributed as sdist
+    from slipstream.models import family_for
+    from slipstream.ops.packing import SeqInfo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hf = make_hf_model().config
+    family = family_for("llama", "test")
+    model = family.build(family.config_from_hf({**hf.to_dict(), "model_type": "llama"}))
+    tdist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        sdist.wrap_model(model, "fsdp", torch.device("cpu"))
+        seen = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+        seq = SeqInfo.from_lengths([3, 5])
+        ids = torch.randint(0, 97, (8,))
+        model.loss(ids, ids, seq, reduction="sum").backward()
+    finally:
+        tdist.destroy_process_group()
+    assert len(seen) == len(model.model.layers) and all(s is seq for s in seen)
