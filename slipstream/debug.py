@@ -319,4 +319,31 @@ def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
         for attr, method in _WRAPPED_METHODS.items()
     ]
     with _patched(replacements), _DispatchCounter(counts, functions), functions:
-        yield counts
+        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+        try:
+            yield counts
+        finally:
+            _ACTIVE.depth -= 1
+
+
+_ACTIVE = threading.local()  # how many count_syncs blocks this thread is inside
+
+
+@contextlib.contextmanager
+def opaque_to_audit() -> Iterator[None]:
+    """Run a call to compiled code with count_syncs' modes off, when a block is active.
+
+    Dynamo will not run a compiled graph under a user's dispatch or function mode: it falls
+    back to eager, where some ops (FlexAttention's higher-order op) have no rule for such a
+    mode and fail, or build what the compiled kernel avoids (flex's T x T scores). A compiled
+    graph holds no host syncs (dynamo breaks the graph at each), so nothing countable is
+    skipped; on a GPU, `torch.cuda.set_sync_debug_mode` still sees the region.
+    """
+    if not getattr(_ACTIVE, "depth", 0):
+        yield
+        return
+    from torch.overrides import _pop_mode_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), _pop_mode_temporarily():
+        yield

@@ -240,3 +240,39 @@ def test_cuda_flex_matches_cpu_across_lengths_without_recompiling(window):
             torch.testing.assert_close(g.cpu(), r, atol=2e-2, rtol=2e-2)
         compiled_after_first = compiled_after_first or _graphs_compiled()
     assert _graphs_compiled() == compiled_after_first
+
+
+@pytest.mark.parametrize("params", ["2.11", "2.12+"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_varlen_arguments_follow_the_installed_signature(params, window, monkeypatch):
+    """torch 2.11's varlen_attn has window_size but no enable_gqa (its flash kernel takes
+    fewer kv heads as they are); 2.12 added enable_gqa. (left, right) = (window-1, 0) or
+    (-1, 0) means causal. Checked with a stand-in that records the call (CUDA-only op)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    names = {"window_size", "scale"} | ({"enable_gqa"} if params == "2.12+" else set())
+    monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset(names))
+    calls = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((cu_q, max_q, kwargs))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    q, k, v = _qkv(sum(LENGTHS))
+    seq = SeqInfo.from_lengths(LENGTHS)
+    assert attention._varlen_supports(window)
+    attention._varlen(q, k, v, seq, window, None)
+    ((cu, max_q, kwargs),) = calls
+    assert cu is seq.cu_seqlens and max_q == max(LENGTHS)
+    assert kwargs["window_size"] == ((window - 1, 0) if window else (-1, 0))
+    assert kwargs.get("enable_gqa") == (True if params == "2.12+" else None)
+    monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"is_causal"}))  # 2.10
+    assert not attention._varlen_supports(window)
+
+
+def test_varlen_only_for_half_precision_flash_shapes():
+    bf16 = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    assert attention._varlen_fits(bf16)
+    assert not attention._varlen_fits(bf16.float())  # FlashAttention: fp16/bf16 only
+    assert not attention._varlen_fits(torch.zeros(4, 2, 60, dtype=torch.bfloat16))
+    assert not attention._varlen_fits(torch.zeros(4, 2, 512, dtype=torch.bfloat16))

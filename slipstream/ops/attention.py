@@ -1,8 +1,8 @@
 """Attention over packed sequences: `attend(q, k, v, seq, window=None, sinks=None)`.
 
 One entry point, three back ends chosen by device and installed torch:
-- CUDA, no sinks: `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cu_seqlens)
-  where the installed torch has it with the features needed (GQA, window);
+- CUDA, no sinks, half precision: `torch.nn.attention.varlen.varlen_attn` (FlashAttention
+  over cu_seqlens) where the installed torch has it with `window_size` (2.11+);
 - CUDA otherwise: FlexAttention with a document-causal `BlockMask`;
 - CPU: SDPA with a block-diagonal causal mask, or per-sequence SDPA calls when the packed
   batch is long (a (T, T) mask costs T^2 memory; slicing by host lengths costs no sync).
@@ -25,6 +25,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from slipstream.debug import opaque_to_audit
 from slipstream.ops.packing import SeqInfo
 
 # Above this many packed tokens the CPU path runs one SDPA call per sequence instead of one
@@ -47,7 +48,7 @@ def attend(
     included). sinks: (H,) per-head sink logits.
     """
     if q_THD.is_cuda:
-        if sinks is None and _varlen_supports(window):
+        if sinks is None and _varlen_fits(q_THD) and _varlen_supports(window):
             return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)
         return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
     if sinks is not None:
@@ -144,18 +145,25 @@ def _varlen_params() -> frozenset[str] | None:
 
 
 def _varlen_supports(window: int | None) -> bool:
+    """torch 2.11+ (`window_size`, causal by (-1, 0)); 2.10's is_causal-only form is not used.
+    GQA needs no flag before 2.12's `enable_gqa`: the flash kernel takes fewer kv heads."""
     params = _varlen_params()
-    if params is None or "enable_gqa" not in params:
-        return False
-    return window is None or "window_size" in params
+    return params is not None and "window_size" in params
+
+
+def _varlen_fits(q_THD: torch.Tensor) -> bool:
+    """FlashAttention's limits: half precision, head dim a multiple of 8 up to 256."""
+    Dh = q_THD.shape[-1]
+    return q_THD.dtype in (torch.float16, torch.bfloat16) and Dh % 8 == 0 and Dh <= 256
 
 
 def _varlen(q_THD, k_TGD, v_TGD, seq, window, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = {"enable_gqa": k_TGD.shape[1] != q_THD.shape[1]}
     # (left, right): causal with `window - 1` keys before the query, or unlimited.
-    kwargs["window_size"] = (window - 1, 0) if window is not None else (-1, 0)
+    kwargs = {"window_size": (window - 1, 0) if window is not None else (-1, 0)}
+    if "enable_gqa" in _varlen_params():
+        kwargs["enable_gqa"] = k_TGD.shape[1] != q_THD.shape[1]
     return varlen_attn(
         q_THD, k_TGD, v_TGD, seq.cu_seqlens, seq.cu_seqlens, seq.max_seqlen, seq.max_seqlen,
         scale=scale, **kwargs,
@@ -270,10 +278,13 @@ def _flex(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for x in (q_THD, k_TGD, v_TGD))
     gqa = k_TGD.shape[1] != q_THD.shape[1]
     fn = _compiled_flex() if q_THD.is_cuda else flex_attention
-    if sinks_H is None:
-        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-        return out[0, :, :T].transpose(0, 1)
-    out, lse_1HT = _flex_with_lse(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    with opaque_to_audit():  # count_syncs' modes would force the eager T x T fallback
+        if sinks_H is None:
+            out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+            return out[0, :, :T].transpose(0, 1)
+        out, lse_1HT = _flex_with_lse(
+            fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa
+        )
     rescale_1HT = torch.sigmoid(lse_1HT - sinks_H.float()[None, :, None])
     return (out * rescale_1HT[..., None].to(out.dtype))[0, :, :T].transpose(0, 1)
 
