@@ -13,8 +13,9 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - ablations: metadata cache off (per-layer rebuild, `common.rebuild_attend`), offload single
   buffer, offload off (recompute), MoE one-pass off (per-expert loop), regional compile;
 - transformers + PEFT on the same shapes and LoRA settings, gradient checkpointing, the best
-  attention the image has (flash_attention_2 if `flash_attn` imports, else sdpa), packed via
-  position_ids when a runtime check shows that gives per-sequence results, padded otherwise.
+  attention the image has (flash_attention_2 if `flash_attn` imports, else flex_attention on
+  CUDA, else sdpa), packed via position_ids when a runtime check shows that gives
+  per-sequence results, padded otherwise; adapters in the base dtype, as ours.
 MFU = (4·N·T with LoRA or 6·N·T full, + attention FLOPs) / step time / 989 TFLOP/s (H200 bf16
 dense); N = active parameters; the trainer's formula, `slipstream/train/flops.py`.
 Syncs per step: `count_syncs()` over one audited step (after warm-up), plus the number of
