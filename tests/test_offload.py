@@ -6,6 +6,7 @@ the same code as on CUDA, with synchronous copies.
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 
@@ -16,6 +17,7 @@ from helpers.models import make_hf_model
 import slipstream
 from slipstream.debug import count_syncs
 from slipstream.memory import offload
+from slipstream.memory import pool as pool_impl
 from slipstream.memory.offload import OffloadPool, apply_checkpointing, get_offload_pool
 from slipstream.ops.packing import SeqInfo
 
@@ -167,6 +169,30 @@ def test_moe_aux_loss_gradients_under_offload(moe_dir, coef):
             assert torch.equal(both[n], g), f"gradient of {n} ({name})"
 
 
+def test_moe_aux_loss_with_lora_leaving_routers_frozen(moe_dir):
+    """LoRA on down_proj only: layer 0's router sees a frozen input and weight, so its
+    recomputed probabilities need no grad though the offloaded layer's output was marked as
+    needing it (autograd.grad raised "element 1 of tensors does not require grad")."""
+    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+    from slipstream.peft.lora import apply_lora
+
+    def run(mode, **kwargs):
+        model = slipstream.load_model(moe_dir)
+        torch.manual_seed(3)
+        apply_lora(model, rank=4, alpha=8, targets=["down_proj"])
+        set_router_aux_loss_coef(model, 0.01)
+        apply_checkpointing(model, mode, **kwargs)
+        ids, labels, seq = _batch()
+        loss = model.loss(ids, labels, seq)
+        (loss + 0.01 * moe_aux_loss(model)).backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    reference = run("none")
+    assert reference[1] and not any(".mlp.gate." in n for n in reference[1])
+    for name, kwargs in MODES.values():
+        _assert_identical(run(name, **kwargs), reference)
+
+
 def test_moe_aux_loss_offload_step_has_no_host_syncs(moe_dir):
     from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
 
@@ -236,6 +262,19 @@ def test_gradient_accumulation_forwards_then_one_backward(checkpoint_dir, forwar
         assert pool.stats().bytes_reloaded == pool.stats().bytes_offloaded
 
 
+def test_compiled_layer_in_recompute_mode(checkpoint_dir):
+    """torch.compile (dynamo) of a checkpointed layer: a context_fn that is a nested function
+    made it raise "checkpoint not implemented for NestedUserFunctionVariable context_fn"."""
+    reference = _step(_model(checkpoint_dir))
+    model = _model(checkpoint_dir)
+    apply_checkpointing(model, "recompute")
+    model.model.layers[0].compile(backend="eager", dynamic=False)
+    try:
+        _assert_identical(_step(model), reference)
+    finally:
+        torch._dynamo.reset()
+
+
 def _position(events, event):
     assert events.count(event) == 1, f"{event} occurs {events.count(event)} times"
     return events.index(event)
@@ -292,6 +331,114 @@ def test_pool_out_of_order_backward_takes_a_prefetch_back():
     assert pool.stats().max_resident == 1
     with pytest.raises(RuntimeError, match="retain_graph"):
         pool.backward_start(0, saved[0])
+
+
+class _FakeEvent:
+    """Stands for a compute-stream event: the device tensors the pool held when recorded."""
+
+    def __init__(self, alive: list[torch.Tensor]) -> None:
+        self.alive = alive
+
+
+class _RecordingCopies(pool_impl._SyncCopies):
+    """The CPU twin with fake events, logging each copy-stream write into device memory as
+    (destination tensor, tracked for the copy stream?, event it waited on)."""
+
+    def __init__(self, pool: OffloadPool) -> None:
+        self.pool, self.tracked, self.writes = pool, [], []
+
+    def record_compute(self) -> _FakeEvent:
+        own = [s.own for s in self.pool.own_inputs if s.own is not None]
+        return _FakeEvent([*self.pool.buffers, *own])
+
+    def track(self, device_tensor: torch.Tensor) -> None:
+        self.tracked.append(device_tensor)
+
+    def copy(self, kind, dst, src, after) -> None:
+        super().copy(kind, dst, src, after)
+        if kind == "h2d":
+            base = dst if dst._base is None else dst._base
+            self.writes.append((base, any(t is base for t in self.tracked), after))
+
+
+def _copy_stream_writes(path, double):
+    """Writes into fresh buffers (first step), tensors of their own (three graphs alive for
+    two buffers) and grown buffers (a longer batch), per phase."""
+    model = _model(path)
+    pool = apply_checkpointing(model, "offload", **{**OFFLOAD, "double_buffer": double})
+    pool.copies, pool.device = _RecordingCopies(pool), torch.device("cpu")
+    phases = {}
+    _step(model)
+    phases["fresh"], buffers = list(pool.copies.writes), list(pool.buffers)
+    sum(model.loss(*_batch(seed=s)) for s in (1, 2, 3)).backward()
+    phases["own"] = pool.copies.writes[len(phases["fresh"]) :]
+    assert any(all(base is not b for b in buffers) for base, *_ in phases["own"])
+    done = len(pool.copies.writes)
+    _step(model, _batch([30, 10]))
+    phases["grown"] = pool.copies.writes[done:]
+    assert all(a is not b for a in pool.buffers for b in buffers)  # each buffer was replaced
+    assert any(base is pool.buffers[-1] for base, *_ in phases["grown"])
+    return phases
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_reloads_into_new_device_memory_wait_for_its_allocation(checkpoint_dir, double):
+    """The allocator hands out blocks that queued compute kernels may still use: every copy
+    into a new buffer (fresh or grown) or own tensor waits on a compute-stream event recorded
+    after that memory was allocated (they waited on nothing, or a grown buffer on the event
+    of the buffer it replaced)."""
+    for phase, writes in _copy_stream_writes(checkpoint_dir, double).items():
+        for base, _, after in writes:
+            assert after is not None, f"{phase}: a reload waited on no event"
+            assert any(t is base for t in after.alive), f"{phase}: waited on an older event"
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_device_memory_the_copy_stream_writes_is_tracked(checkpoint_dir, double):
+    """Every device tensor the copy stream writes is `record_stream`ed for it (`track`), so a
+    pool, graph or grown buffer dropped while a prefetch is queued keeps its block until the
+    copy lands (only a grown buffer was, on its way out)."""
+    for phase, writes in _copy_stream_writes(checkpoint_dir, double).items():
+        assert writes and all(tracked for _, tracked, _ in writes), phase
+
+
+def test_pool_drops_host_slots_too_small_for_a_longer_batch():
+    """Each longer batch left the previous, too small slot in the free list for good."""
+    pool = OffloadPool(pin=False, min_offload_bytes=0, double_buffer=False)
+    for tokens in (5, 9, 7, 12, 4):
+        x = torch.randn(tokens, 3)
+        saved = pool.save(0, x)
+        pool.backward_start(0, saved)
+        assert torch.equal(pool.input_for(saved), x)
+        pool.backward_end(0, saved)
+    assert [slot.numel() for slot in pool.free_slots[0]] == [12 * 3 * 4]
+    assert (pool.stats().host_bytes, pool.stats().host_allocations) == (12 * 3 * 4, 3)
+
+
+def test_pinned_host_slots_are_whole_powers_of_two():
+    """The pinned CachingHostAllocator rounds each block up to a power of two: the pool asks
+    for that size, so host_bytes is what is pinned (and a slightly longer batch fits)."""
+    sizes = [1, 1000, 1024, 1025, 3 << 20]
+    assert [OffloadPool(pin=True)._slot_bytes(n) for n in sizes] == [1, 1024, 1024, 2048, 4 << 20]
+    assert [OffloadPool(pin=False)._slot_bytes(n) for n in sizes] == sizes
+
+
+def test_second_buffer_counts_memory_the_allocator_holds_free(monkeypatch, caplog):
+    """`mem_get_info` counts blocks torch's caching allocator reserved but has not handed
+    out as used: they are free to the buffers too."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
+    monkeypatch.setattr(pool_impl, "_LOGGED", set())
+    pool = OffloadPool(pin=False)
+    pool.device = torch.device("cuda", 0)
+    # Two 1 GiB buffers need 18 GiB: 1 GiB free on the device + 20 GiB cached by torch.
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    assert pool._buffer_count(gib) == 2
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 12 * gib)
+    with caplog.at_level(logging.WARNING, logger="slipstream.memory.offload"):
+        assert pool._buffer_count(gib) == 1
+    assert "3.0 GiB free on cuda:0" in caplog.text
 
 
 @pytest.mark.parametrize("double", [True, False])
@@ -386,6 +533,10 @@ def test_pool_allocated_once_and_reused(checkpoint_dir):
     _step(model, _batch([30, 10]))  # a longer batch grows each slot once
     assert pool.stats().host_allocations == 2 * (LAYERS - 1)
     assert pool.stats().steps == 4
+    # ... and the slots it outgrew are gone: one slot a layer, as many bytes as reported
+    assert all(len(pool.free_slots[i]) == 1 for i in range(LAYERS - 1))
+    slots = [s.numel() for i in range(LAYERS - 1) for s in pool.free_slots[i]]
+    assert slots == [40 * 48 * 4] * (LAYERS - 1) and pool.stats().host_bytes == sum(slots)
 
 
 def test_offload_step_has_no_host_syncs(checkpoint_dir):
@@ -492,3 +643,50 @@ def test_cuda_pinned_pool_reused_and_sync_free(checkpoint_dir):
     torch.cuda.synchronize()
     assert sorted(s.data_ptr() for slots in pool.free_slots.values() for s in slots) == ptrs
     assert pool.stats().host_allocations == LAYERS - 1
+    sizes = [s.numel() for slots in pool.free_slots.values() for s in slots]
+    assert all(n & (n - 1) == 0 for n in sizes) and pool.stats().host_bytes == sum(sizes)
+
+
+def _cuda_pool_with_two_offloaded(nbytes):
+    """A single-buffer pool holding two offloaded inputs (values 1 and 2) on the host."""
+    pool = OffloadPool(min_offload_bytes=0, double_buffer=False)
+    xs = [torch.full((nbytes // 4,), float(i + 1), device="cuda") for i in range(2)]
+    saved = [pool.save(i, x) for i, x in enumerate(xs)]
+    torch.cuda.synchronize()  # both copies to the host have landed
+    return pool, xs, saved
+
+
+# 16 MiB: over the allocator's 10 MiB "large" limit, so a block of its own that the next
+# request of that size gets back exactly; _sleep(10**8) is ~50 ms on an H200.
+_BLOCK, _SLEEP = 16 << 20, 10**8
+
+
+@pytest.mark.gpu
+def test_cuda_first_reload_waits_for_kernels_on_its_block():
+    """A block freed on the compute stream is handed out again at once: the first reload
+    into a new buffer must wait for the kernels queued before its allocation."""
+    pool, xs, saved = _cuda_pool_with_two_offloaded(_BLOCK)
+    block = torch.ones(_BLOCK // 4, device="cuda")
+    torch.cuda._sleep(_SLEEP)  # the compute stream reads `block` ~50 ms from now
+    doubled = block * 2
+    del block  # back to the compute stream's free blocks: the buffer below gets it
+    pool.backward_start(2, None)  # allocates the buffer, prefetches layer 1's input (2.0)
+    torch.cuda.synchronize()
+    assert torch.equal(doubled, torch.full_like(doubled, 2.0)), "the reload overwrote it"
+    pool.backward_start(1, saved[1])
+    assert torch.equal(pool.input_for(saved[1]), xs[1])
+
+
+@pytest.mark.gpu
+def test_cuda_pool_dropped_mid_prefetch_keeps_its_buffer():
+    """A pool (or graph) dropped while a reload into its buffer is queued: the buffer's block
+    must not be handed out before the copy stream has written it."""
+    pool, xs, saved = _cuda_pool_with_two_offloaded(_BLOCK)
+    with torch.cuda.stream(pool.copies.stream):
+        torch.cuda._sleep(_SLEEP)  # the prefetch below lands ~50 ms from now
+    pool.backward_start(2, None)  # prefetches layer 1's input into the only buffer
+    del pool, saved
+    gc.collect()
+    fresh = torch.zeros(_BLOCK // 4, device="cuda")  # same size: would get the buffer's block
+    torch.cuda.synchronize()
+    assert torch.equal(fresh, torch.zeros_like(fresh)), "the prefetch landed in a new tensor"

@@ -138,7 +138,10 @@ class _OffloadedLayer(torch.autograd.Function):
         with torch.enable_grad(), rng, autocast, _router_stats_kept(layer) as blocks:
             out_TD = layer._slipstream_base.forward(layer, x_TD, ctx.seq, ctx.cos_sin)
             outputs = [out_TD, *(b.router_stats.probs_sum_E for b in blocks)]
-        pairs = [(o, g) for o, g in zip(outputs, (grad_TD, *grad_probs)) if g is not None]
+        # A router whose input and weight are both frozen (layer 0 under LoRA that leaves the
+        # routers out) recomputes probs that need no grad, though forward marked them as such.
+        grad_outs = (grad_TD, *grad_probs)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outs) if g is not None and o.requires_grad]
         inputs = ([x_TD] if x_TD.requires_grad else []) + list(params)
         grads = [None] * len(inputs)
         if pairs:
@@ -175,10 +178,14 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tenso
     if not torch.is_grad_enabled():  # eval / generation: nothing to save
         return base(self, x_TD, seq, cos_sin)
     if plan.mode == "recompute":
+        # context_fn only where router stats need keeping: torch.compile (dynamo) rejects a
+        # nested function there ("checkpoint not implemented for NestedUserFunctionVariable").
+        kwargs = {}
+        if _stats_blocks(self):
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _router_stats_kept(self))
         return checkpoint(
             base, self, x_TD, seq, cos_sin, use_reentrant=False,
-            preserve_rng_state=plan.preserve_rng_state,
-            context_fn=lambda: (contextlib.nullcontext(), _router_stats_kept(self)),
+            preserve_rng_state=plan.preserve_rng_state, **kwargs,
         )  # fmt: skip
     params = [p for p in self.parameters() if p.requires_grad]
     if not (x_TD.requires_grad or params):

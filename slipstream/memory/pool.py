@@ -18,7 +18,11 @@ below. With one buffer the last input occupies it, so the first reload is issued
 last layer's backward ends ("single buffer" = one layer input on the device at any time).
 Only when every buffer is taken (several graphs alive, e.g. two forwards before a backward)
 does a last input stay in its own tensor, and a reload that finds every buffer held by such
-inputs go to a tensor of its own; `live_device_inputs()` counts those too.
+inputs go to a tensor of its own; `live_device_inputs()` counts those too. Every device tensor
+the copy stream writes is new from the caching allocator: its first write waits for an event
+recorded on the compute stream after the allocation, and it is `record_stream`ed on the copy
+stream, so dropping it (a grown buffer, a pool or graph freed mid-prefetch) never hands its
+block out while a copy into it is queued.
 
 On CUDA the host slots are pinned and copies run on a side stream (`_CudaCopies`); elsewhere
 (`force=True` on CPU, for tests) `_SyncCopies` copies at once and events are None, so the same
@@ -67,7 +71,7 @@ class OffloadStats:
     bytes_reloaded: int
     num_buffers: int
     buffer_bytes: int  # size of each device reload buffer
-    host_bytes: int  # host (pinned on CUDA) pool size
+    host_bytes: int  # host pool size; pinned slots are whole powers of two (see _take_slot)
     host_allocations: int  # host slots allocated since the pool was made (not reset)
     max_resident: int  # most layer inputs the pool held on the device at once
     d2h_ms: float | None = None  # sum of device->host copy durations (copy stream)
@@ -98,7 +102,7 @@ class _SyncCopies:
     def wait(self, event: Any) -> None:
         pass
 
-    def release(self, device_tensor: torch.Tensor) -> None:
+    def track(self, device_tensor: torch.Tensor) -> None:
         pass
 
     def timings(self) -> dict[str, float | None]:
@@ -140,8 +144,10 @@ class _CudaCopies:
             torch.cuda.current_stream(self.device).wait_event(after)
         dst.copy_(src)
 
-    def release(self, device_tensor: torch.Tensor) -> None:
-        """About to drop a device tensor the copy stream may still write: keep it until then."""
+    def track(self, device_tensor: torch.Tensor) -> None:
+        """A new device tensor the copy stream will write: whenever it is dropped (a grown
+        buffer, a pool or graph freed with a prefetch in flight), the caching allocator
+        keeps its block until the copy stream's work queued by then has finished."""
         device_tensor.record_stream(self.stream)
 
     def wait(self, event: Any) -> None:
@@ -289,13 +295,25 @@ class OffloadPool:
             self.copies = _CudaCopies(x_TD.device, self.timing) if cuda else _SyncCopies()
 
     def _take_slot(self, index: int, nbytes: int) -> torch.Tensor:
+        """A free host slot of layer `index` that holds `nbytes`, else a new one; free slots
+        too small for it are dropped then, so a layer never holds more slots than it has
+        inputs offloaded at once (each longer batch used to leave one more behind)."""
         free = self.free_slots.setdefault(index, [])
         for i, slot in enumerate(free):
             if slot.numel() >= nbytes:
                 return free.pop(i)
+        self.host_bytes -= sum(slot.numel() for slot in free)
+        free.clear()
+        size = self._slot_bytes(nbytes)
         self.host_allocations += 1
-        self.host_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.host_bytes += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def _slot_bytes(self, nbytes: int) -> int:
+        """Pinned: the next power of two, the block torch's pinned CachingHostAllocator hands
+        out anyway (its default rounding), so `host_bytes` is what is pinned and a slightly
+        longer batch still fits the slot."""
+        return 1 << (nbytes - 1).bit_length() if self.pin and nbytes > 1 else nbytes
 
     # -- backward ---------------------------------------------------------------------------
     def backward_start(self, index: int, saved: _Saved | None) -> None:
@@ -358,7 +376,7 @@ class OffloadPool:
     def _reload(self, saved: _Saved, buffer: int | None) -> None:
         n = saved.nbytes
         if buffer is None:  # every buffer holds another live graph's last input
-            saved.own = torch.empty(n, dtype=torch.uint8, device=self.device)
+            saved.own = self._device_bytes(n)
             self.own_inputs.add(saved)
             after = self.copies.record_compute()  # the allocator may hand out a block in use
             saved.ready = self.copies.copy("h2d", saved.own, saved.slot[:n], after)
@@ -379,8 +397,9 @@ class OffloadPool:
         for b in range(len(self.buffers)):
             if self._owner(b) is None:
                 if self.buffers[b].numel() < nbytes:  # a longer batch than any before
-                    self.copies.release(self.buffers[b])
-                    self.buffers[b] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    self.buffers[b] = self._device_bytes(nbytes)
+                    self.buffer_free[b] = self.copies.record_compute()  # see _allocate_buffers
+                    self.buffer_written[b] = None
                 return b
         return None
 
@@ -401,21 +420,39 @@ class OffloadPool:
             buffer = self._free_buffer(saved.nbytes)
         return buffer
 
+    def _device_bytes(self, nbytes: int) -> torch.Tensor:
+        """A new flat device tensor for the copy stream to write into."""
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.copies.track(flat)
+        return flat
+
     def _allocate_buffers(self) -> None:
-        nbytes, count = self.max_nbytes, 2
+        nbytes = self.max_nbytes
+        count = self._buffer_count(nbytes)
+        self.buffers = [self._device_bytes(nbytes) for _ in range(count)]
+        # A new block may be one that kernels still queued on the compute stream use (the
+        # allocator reuses a freed block at once, in stream order): the copy stream's first
+        # write waits on an event recorded now, as each later one waits on its last reader.
+        self.buffer_free = [self.copies.record_compute()] * count
+        self.owners, self.buffer_written = [None] * count, [None] * count
+
+    def _buffer_count(self, nbytes: int) -> int:
         if self.double_buffer is False:
-            count = 1
-        elif self.double_buffer == "auto" and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)  # once per pool
+            return 1
+        if self.double_buffer == "auto" and self.device.type == "cuda":
+            free = _free_device_bytes(self.device)  # once per pool
             if free < (2 + _RECOMPUTE_RESERVE) * nbytes:
-                count = 1
                 _log_once(
                     f"activation offload: {free / 2**30:.1f} GiB free on {self.device} leaves no "
                     f"room for a second {nbytes / 2**20:.0f} MiB reload buffer; using one "
                     "(reloads will not overlap compute)"
                 )
-        self.buffers = [
-            torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)
-        ]
-        self.owners, self.buffer_free = [None] * count, [None] * count
-        self.buffer_written = [None] * count
+                return 1
+        return 2
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    """What new tensors can get on `device`: free device memory plus what torch's caching
+    allocator has reserved but not allocated (`mem_get_info` counts that as used)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
