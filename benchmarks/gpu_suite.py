@@ -157,12 +157,10 @@ def ours_row(v: Variant, setup: Setup) -> dict:
         note = f"checkpointing={v.ckpt}" + (f", buffers={v.double_buffer}" if pool else "")
     if v.compile:
         backend = "eager" if setup.dry else "inductor"  # CPU dry run: dynamo without a compiler
-        # The attention and MLP blocks, not the whole layer: the layer's checkpoint/offload
-        # wrapper (RNG state, pool bookkeeping) would make dynamo recompile per layer until
-        # its limit and then run eager, and would keep the recompute out of compiled code.
-        for layer in model.model.layers:
-            for block in (layer.self_attn, layer.mlp):
-                block.compile(backend=backend, dynamic=False)
+        # What `train.compile=true` does: attention and dense MLP blocks, dynamic shapes.
+        from slipstream.compile import compile_blocks
+
+        compile_blocks(model, backend=backend)
         OursCache.key = None  # compiled layers are not reused by later rows
     params = [p for p in model.parameters() if p.requires_grad]
     # device "cuda" selects the trainer's fused AdamW, also in the CPU dry run (fused AdamW

@@ -78,6 +78,7 @@ class TrainSection(_Section):
     keep_checkpoints: int = Field(2, gt=0)
     log_every: int = Field(10, gt=0)
     activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = "auto"
+    compile: bool = False  # regional torch.compile of attention/MLP blocks (slipstream/compile.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # Under torchrun: auto = ddp for LoRA/QLoRA, fsdp (FSDP2) for full fine-tuning.
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"

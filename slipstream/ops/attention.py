@@ -33,6 +33,7 @@ from slipstream.ops.packing import SeqInfo
 DENSE_MASK_MAX_TOKENS = 4096
 
 
+@torch.compiler.disable  # regional compile (slipstream/compile.py) leaves the kernels out
 def attend(
     q_THD: torch.Tensor,
     k_TGD: torch.Tensor,

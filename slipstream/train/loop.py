@@ -408,6 +408,10 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         from slipstream.memory.offload import apply_checkpointing
 
         apply_checkpointing(model, mode)
+    if cfg.train.compile:
+        from slipstream.compile import compile_blocks
+
+        compile_blocks(model)
     return model
 
 

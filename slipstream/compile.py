@@ -1,0 +1,36 @@
+"""Regional torch.compile: each decoder layer's attention block and dense MLP, dynamic shapes.
+
+Regional, not whole-model: one compiled graph per block kind serves every layer (compile
+time does not grow with depth), and the checkpoint/offload wrapper around each layer stays
+outside the graphs (its RNG and pool bookkeeping would make dynamo recompile per layer until
+its limit, then run eager, and would keep the recompute out of compiled code).
+
+What stays out:
+- the attention kernel itself (`attend` is compiler-disabled): varlen is already one kernel,
+  flex is compiled on its own with its host-built BlockMask, and tracing the `SeqInfo` would
+  guard on every batch's lengths;
+- MoE blocks: routing sizes depend on the data and the grouped GEMM picks its kernel by
+  pointer alignment.
+Dynamic shapes because the packed length changes every batch.
+
+Off by default (`train.compile`): whether it wins on a GPU is for the GPU suite to measure.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from slipstream.models.moe_block import MoEBlock
+
+BACKEND = "inductor"  # tests swap in a cheaper backend; the trainer uses torch's default
+
+
+def compile_blocks(model: nn.Module, backend: str | None = None, dynamic: bool = True) -> int:
+    """Compile every decoder layer's `self_attn` and dense `mlp` in place; how many."""
+    count = 0
+    for layer in model.model.layers:
+        blocks = [layer.self_attn] + ([] if isinstance(layer.mlp, MoEBlock) else [layer.mlp])
+        for block in blocks:
+            block.compile(backend=backend or BACKEND, dynamic=dynamic)
+            count += 1
+    return count
