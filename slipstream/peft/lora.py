@@ -16,6 +16,14 @@ may name the expert parameters `gate_up_proj` / `down_proj`; and the dense MLP n
 `gate_proj` / `up_proj` / `down_proj` (in the default targets) also reach the experts'
 `gate_up_proj` / `down_proj`, so the default trains the MLP of a MoE model as it does of a
 dense one. PEFT has no dropout on parameters: expert LoRA with dropout > 0 is an error.
+
+Factor dtype: float32 master weights whenever the base is fp16/bf16 (or quantized), as PEFT
+does (`autocast_adapter_dtype=True`), so AdamW's states are float32 too. In bf16 an update
+below half an ulp (0.2-0.4% of the value) rounds away: with lr 1e-5 a factor entry of 0.1 would
+never move. Forward casts the factors (rank/features of the base weight's size) to the
+activation dtype, so the two matmuls still run in bf16. `save_adapter` writes the float32
+factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter dtype);
+`merge_lora` adds the delta in float32 and rounds once to the base dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -47,8 +56,16 @@ _EXPERT_TARGET_OF = {
 }
 
 
+def lora_factor_dtype(base_weight: torch.Tensor) -> torch.dtype:
+    """float32 for a fp16/bf16 or quantized (packed integer) base; float64 stays float64."""
+    if base_weight.is_floating_point() and base_weight.element_size() >= 4:
+        return base_weight.dtype
+    return torch.float32
+
+
 class LoRALinear(nn.Module):
-    """A frozen base linear layer plus a trainable low-rank update."""
+    """A frozen base linear layer plus a trainable low-rank update; factors in `dtype`
+    (default `lora_factor_dtype(base weight)`: float32 for a half-precision base)."""
 
     def __init__(
         self,
@@ -65,11 +82,9 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weight = base_layer.weight
-        # A quantized base stores packed integers: the adapter then uses its compute dtype.
         if dtype is None:
-            float_base = weight.is_floating_point()
-            dtype = weight.dtype if float_base else getattr(base_layer, "compute_dtype", None)
-        kw = {"device": weight.device, "dtype": dtype or torch.float32}
+            dtype = lora_factor_dtype(weight)
+        kw = {"device": weight.device, "dtype": dtype}
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
@@ -87,8 +102,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))
-        return out + (self.lora_B(self.lora_A(x)) * self.scaling).to(out.dtype)
+        # The factors come down to x's dtype, not x up to theirs: bf16 matmuls, fp32 masters.
+        A, B = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+        delta = F.linear(F.linear(self.lora_dropout(x), A), B) * self.scaling
+        return out + delta.to(out.dtype)
 
     def merged_weight(self) -> torch.Tensor:
         """base weight + scale * B @ A, computed in float32, in the base weight's dtype."""

@@ -21,6 +21,10 @@ PEFT layout (peft 0.21 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj"
   PEFT adds scale * B_e A_e (transposed for the latter) to the weight.
 PEFT supports no dropout on parameters, and neither does this module.
 
+Factors are float32 for a bf16/fp16 base (master weights, as in `slipstream.peft.lora`) and are
+cast to the activation dtype in forward, so the grouped GEMMs run in bf16. torch's grouped GEMM
+needs 16-byte strides in that dtype: in bf16, rank % 8 == 0 (other ranks take the tiled path).
+
 Shapes: R routed rows, E experts, r rank, I/O in/out features of one expert projection.
 """
 
@@ -60,7 +64,7 @@ class LoRAExperts(nn.Module):
         for name in self.targets:
             w = getattr(base_layer, name)
             E, (in_f, out_f) = w.shape[0], self.in_out(name)
-            kw = {"device": w.device, "dtype": w.dtype}
+            kw = {"device": w.device, "dtype": lora.lora_factor_dtype(w)}
             self.lora_A[name] = nn.Parameter(torch.empty(E, rank, in_f, **kw))
             self.lora_B[name] = nn.Parameter(torch.zeros(E, out_f, rank, **kw))
             # As PEFT (nn.Linear's default init per expert): uniform(+-1/sqrt(in)); B zero.
@@ -75,9 +79,11 @@ class LoRAExperts(nn.Module):
         """scale * B_e A_e x for each routed row (0 when `name` has no LoRA)."""
         if name not in self.lora_A:
             return 0.0
-        A_EIr = self.lora_A[name].transpose(1, 2)
-        B_ErO = self.lora_B[name].transpose(1, 2)
-        h_Rr = grouped_mm(x_RI.to(A_EIr.dtype), A_EIr, plan.offsets_E)
+        # Factors down to the activation dtype (fp32 masters, bf16 GEMMs). grouped_mm decides
+        # its path on these cast tensors: a fresh contiguous copy, transposed as a view.
+        A_EIr = self.lora_A[name].to(x_RI.dtype).transpose(1, 2)
+        B_ErO = self.lora_B[name].to(x_RI.dtype).transpose(1, 2)
+        h_Rr = grouped_mm(x_RI, A_EIr, plan.offsets_E)
         return grouped_mm(h_Rr, B_ErO, plan.offsets_E) * self.scaling
 
     def forward(self, x_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
