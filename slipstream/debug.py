@@ -319,14 +319,7 @@ def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
         for attr, method in _WRAPPED_METHODS.items()
     ]
     with _patched(replacements), _DispatchCounter(counts, functions), functions:
-        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
-        try:
-            yield counts
-        finally:
-            _ACTIVE.depth -= 1
-
-
-_ACTIVE = threading.local()  # how many count_syncs blocks this thread is inside
+        yield counts
 
 
 @contextlib.contextmanager
@@ -339,11 +332,21 @@ def opaque_to_audit() -> Iterator[None]:
     graph holds no host syncs (dynamo breaks the graph at each), so nothing countable is
     skipped; on a GPU, `torch.cuda.set_sync_debug_mode` still sees the region.
     """
-    if not getattr(_ACTIVE, "depth", 0):
+    from torch.overrides import _pop_mode_temporarily
+    from torch.utils._python_dispatch import (
+        _disable_current_modes,
+        _get_current_dispatch_mode_stack,
+    )
+
+    # Judged from the dispatch-mode stack, not a Python thread-local: CUDA backward (offload
+    # and checkpoint recomputes) runs on autograd's device thread, which inherits the mode
+    # stacks but not Python thread state. Its torch-function stack may be empty.
+    if not any(isinstance(m, _DispatchCounter) for m in _get_current_dispatch_mode_stack()):
         yield
         return
-    from torch.overrides import _pop_mode_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), _pop_mode_temporarily():
+    function_modes = torch._C._len_torch_function_stack() > 0
+    with (
+        _disable_current_modes(),
+        _pop_mode_temporarily() if function_modes else contextlib.nullcontext(),
+    ):
         yield

@@ -338,3 +338,47 @@ def test_compiled_flex_attention_runs_inside_count_syncs():
     assert c.by_op == {"item": 1}
     with opaque_to_audit():  # outside a block: a no-op
         torch.testing.assert_close(fn(q, k, v, block_mask=mask), ref)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_flex_runs_inside_count_syncs_on_another_thread():
+    """CUDA backward (offload and checkpoint recomputes) runs on autograd's device thread,
+    which inherits the dispatch-mode stack but not Python thread state nor the function-mode
+    stack: the flex call there must run opaque to the audit too."""
+    import threading
+
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode_stack,
+        _pop_mode,
+        _push_mode,
+    )
+
+    from slipstream.debug import _DispatchCounter, opaque_to_audit
+    from slipstream.ops import attention
+    from slipstream.ops.packing import SeqInfo
+
+    fn = torch.compile(flex.flex_attention, dynamic=True, backend="eager")
+    mask = attention.flex_block_mask(SeqInfo.from_lengths([100, 28]))
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    fn(q, k, v, block_mask=mask)
+    errors = []
+    with count_syncs():
+        mode = next(
+            m for m in _get_current_dispatch_mode_stack() if isinstance(m, _DispatchCounter)
+        )
+
+        def device_thread():  # as the engine does: the dispatch-mode stack restored, no more
+            _push_mode(mode)
+            try:
+                with opaque_to_audit():
+                    fn(q, k, v, block_mask=mask)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                _pop_mode()
+
+        t = threading.Thread(target=device_thread)
+        t.start()
+        t.join()
+    assert not errors, errors

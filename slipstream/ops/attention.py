@@ -3,7 +3,8 @@
 One entry point, three back ends chosen by device and installed torch:
 - CUDA, no sinks, half precision: `torch.nn.attention.varlen.varlen_attn` (FlashAttention
   over cu_seqlens) where the installed torch has it with `window_size` (2.11+);
-- CUDA otherwise: FlexAttention with a document-causal `BlockMask`;
+- CUDA otherwise: FlexAttention with a document-causal `BlockMask` (head dim >= 16; smaller,
+  test-sized heads take the SDPA paths below, which run on CUDA too);
 - CPU: SDPA with a block-diagonal causal mask, or per-sequence SDPA calls when the packed
   batch is long (a (T, T) mask costs T^2 memory; slicing by host lengths costs no sync).
 
@@ -51,7 +52,9 @@ def attend(
     if q_THD.is_cuda:
         if sinks is None and _varlen_fits(q_THD) and _varlen_supports(window):
             return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)
-        return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+        if q_THD.shape[-1] >= FLEX_MIN_HEAD_DIM:
+            return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+        # Tiny test-sized heads: the SDPA/eager paths below run on CUDA too.
     if sinks is not None:
         return _eager_with_sinks(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
     if seq.total_tokens <= DENSE_MASK_MAX_TOKENS:
@@ -177,6 +180,7 @@ def _varlen(q_THD, k_TGD, v_TGD, seq, window, scale):
 # length meets the same divisibility guards, so the kernel compiled with dynamic shapes is
 # reused across batches instead of recompiled for each new T.
 FLEX_BLOCK = 128
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller heads ("E=8 ... at least 16")
 
 
 def flex_padded_tokens(seq: SeqInfo) -> int:
@@ -248,11 +252,27 @@ def _build_flex_mask(seq: SeqInfo, window: int | None):
         ok = (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
         return ok & (q_idx - kv_idx < window) if window is not None else ok
 
-    return BlockMask.from_kv_blocks(
+    mask = BlockMask.from_kv_blocks(
         kv_num.view(1, 1, nb), kv_idx.view(1, 1, nb, nb),
         full_num.view(1, 1, nb), full_idx.view(1, 1, nb, nb),
         BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(padded, padded),
     )  # fmt: skip
+    # The tile counts change with the padded length: marked dynamic up front, or the first
+    # compile specializes on them and each new count recompiles (dynamo stops at 8, then flex
+    # runs eager over the full T x T scores).
+    from torch import _dynamo
+
+    for name in _BLOCK_MASK_TENSORS:
+        t = getattr(mask, name, None)
+        for dim in range(2, t.dim() if t is not None else 0):
+            _dynamo.maybe_mark_dynamic(t, dim)
+    return mask
+
+
+_BLOCK_MASK_TENSORS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)  # fmt: skip
 
 
 def _listed_first(tiles_NN: torch.Tensor) -> torch.Tensor:
