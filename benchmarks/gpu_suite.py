@@ -15,7 +15,7 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - transformers + PEFT on the same shapes and LoRA settings, gradient checkpointing, the best
   attention the image has (flash_attention_2 if `flash_attn` imports, else flex_attention on
   CUDA, else sdpa), packed via position_ids when a runtime check shows that gives
-  per-sequence results, padded otherwise; adapters in the base dtype, as ours.
+  per-sequence results, padded otherwise; float32 adapters (peft's default), as ours.
 MFU = (4·N·T with LoRA or 6·N·T full, + attention FLOPs) / step time / 989 TFLOP/s (H200 bf16
 dense); N = active parameters; the trainer's formula, `slipstream/train/flops.py`.
 Syncs per step: `count_syncs()` over one audited step (after warm-up), plus the number of
@@ -299,8 +299,9 @@ def hf_row(v: Variant, setup: Setup) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                              target_modules=lora_targets(model), task_type="CAUSAL_LM")  # fmt: skip
-    # Adapters in the base dtype, as ours are (peft's default keeps them in float32).
-    model = peft.get_peft_model(model, config, autocast_adapter_dtype=False).train()
+    # peft's default: float32 adapters on the bf16 base, as ours (its adapter matmuls run in
+    # float32, ours cast the factors to bf16).
+    model = peft.get_peft_model(model, config).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
     inputs, computed = hf_inputs(setup, hf["vocab_size"], packed)

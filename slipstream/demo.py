@@ -85,7 +85,7 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
 
     from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
     from slipstream.config import config_from_dict
-    from slipstream.train.loop import build_model, resolve_device, train
+    from slipstream.train.loop import build_model, resolve_device, seed_everything, train
 
     out = getattr(args, "output_dir", None) or DEFAULT_OUT
     gguf = smollm2_gguf_path()  # one-line error with the install command if missing
@@ -98,6 +98,7 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     print(f"slipstream demo: SmolLM2-135M-Instruct from {gguf.name} on {device}", file=sys.stderr)
     start = time.perf_counter()
     tokenizer = gguf_tokenizer(gguf)
+    seed_everything(cfg.train.seed)  # the LoRA initialisation too: a demo run repeats
     model = build_model(cfg, device)
     print(f"loaded and dequantised in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     before = sample_reply(model, tokenizer)

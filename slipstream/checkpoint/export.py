@@ -40,9 +40,10 @@ def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any 
         "base_dequantized_from_nf4": dequantized,
         "dtype": dtype,
         "note": (
-            f"NF4 base dequantised to {dtype} and LoRA added in {dtype}; not re-quantised."
+            f"NF4 base dequantised to {dtype}, LoRA delta added in float32 and rounded once "
+            f"to {dtype}; not re-quantised."
             if dequantized
-            else f"LoRA folded into the {dtype} base weights."
+            else f"LoRA delta added in float32, rounded once into the {dtype} base weights."
         ),
     }
     atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")

@@ -234,8 +234,10 @@ def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
             f"tensor {target}_blocks has shape {tuple(blocks.shape)}: it dequantises to "
             f"{(E, rows, G * 32)}, which does not transpose to {tuple(param.shape)}."
         )
-    for e in range(E):  # one expert at a time: float32 scratch of one expert, not all E
-        param[e].copy_(dequantize_mxfp4(blocks[e], scales[e]).T)
+    for e in range(E):  # one expert at a time: float32 scratch of one expert, not all E,
+        # on the parameter's device (on a GPU that is ~100x faster than the CPU)
+        b, s = blocks[e].to(param.device), scales[e].to(param.device)
+        param[e].copy_(dequantize_mxfp4(b, s).T)
     return True
 
 

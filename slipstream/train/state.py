@@ -39,8 +39,8 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only: resume may see other GPUs
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -48,7 +48,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        # Checkpoints before this change hold a list, one state per visible GPU.
+        torch.cuda.set_rng_state(
+            cuda[torch.cuda.current_device()] if isinstance(cuda, list) else cuda
+        )
 
 
 def save_checkpoint(
