@@ -296,7 +296,8 @@ def _flex(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
     T = seq.total_tokens
     pad = flex_padded_tokens(seq) - T
     block_mask = flex_block_mask(seq, window)
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for x in (q_THD, k_TGD, v_TGD))
+    padded = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (q_THD, k_TGD, v_TGD))
+    q, k, v = (x.transpose(0, 1)[None] for x in padded)
     gqa = k_TGD.shape[1] != q_THD.shape[1]
     fn = _compiled_flex() if q_THD.is_cuda else flex_attention
     with opaque_to_audit():  # count_syncs' modes would force the eager T x T fallback
