@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import common
+import hf_baseline
 import torch
 
 from slipstream.debug import count_syncs
@@ -158,9 +159,9 @@ def ours_row(v: Variant, setup: Setup) -> dict:
     if v.compile:
         backend = "eager" if setup.dry else "inductor"  # CPU dry run: dynamo without a compiler
         # What `train.compile=true` does: attention and dense MLP blocks, dynamic shapes.
-        from slipstream.compile import compile_blocks
+        from slipstream.compile import apply_compile
 
-        compile_blocks(model, backend=backend)
+        apply_compile(model, backend=backend)
         OursCache.key = None  # compiled layers are not reused by later rows
     params = [p for p in model.parameters() if p.requires_grad]
     # device "cuda" selects the trainer's fused AdamW, also in the CPU dry run (fused AdamW
@@ -198,90 +199,10 @@ def attention_backend(device: torch.device, hf: dict) -> str:
 
     if hf.get("model_type") == "gpt_oss":  # sink attention: always the flex path
         return "flex"
-    return "varlen" if attention._varlen_supports(hf.get("sliding_window")) else "flex"
+    return "varlen" if attention._varlen_supports() else "flex"
 
 
 # ----------------------------------------------------------------------------- transformers
-
-
-def hf_attentions(device: torch.device) -> list[str]:
-    """transformers attention implementations to try, best first. Without flash_attn, flex
-    on CUDA: with packed position_ids transformers' sdpa path builds a dense (T, T) mask, which
-    rules out the flash kernel and computes every tile (~num_seqs x the causal work)."""
-    best = []
-    try:
-        import flash_attn  # noqa: F401
-
-        best = ["flash_attention_2"]
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        best.append("flex_attention")
-    return [*best, "sdpa", "eager"]
-
-
-def build_hf(hf: dict, setup: Setup) -> tuple[Any, str]:
-    """The transformers model with the best attention it accepts, and that attention's name."""
-    for attn in hf_attentions(setup.device):
-        try:
-            return build_hf_with(hf, setup, attn), attn
-        except ValueError as e:  # "does not support an attention implementation through ..."
-            error = e
-    raise error
-
-
-def build_hf_with(hf: dict, setup: Setup, attn: str) -> Any:
-    import transformers
-
-    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
-    config = transformers.AutoConfig.for_model(hf["model_type"], **kwargs)
-    config.use_cache = False
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(setup.dtype)
-    try:
-        with torch.device(setup.device):
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    finally:
-        torch.set_default_dtype(old)
-
-
-def hf_packing_ok(model: Any, setup: Setup) -> bool:
-    """Does this transformers build give per-sequence results for position_ids packing?"""
-    lengths, vocab = [5, 7, 4], model.config.vocab_size
-    ids = torch.randint(0, vocab, (sum(lengths),), device=setup.device)
-    pos = torch.cat([torch.arange(n, device=setup.device) for n in lengths])
-    with torch.no_grad():
-        packed = model(input_ids=ids[None], position_ids=pos[None]).logits[0].float()
-        parts = [model(input_ids=chunk[None]).logits[0].float() for chunk in ids.split(lengths)]
-    # bf16 noise measured ~0.05 on Qwen3-0.6B shapes; attention leaking across sequences
-    # moves logits by ~4.5: 0.5 tells the two apart.
-    tol = 1e-3 if setup.dtype == torch.float32 else 0.5
-    return torch.allclose(packed, torch.cat(parts), atol=tol, rtol=tol)
-
-
-def hf_inputs(setup: Setup, vocab: int, packed: bool) -> tuple[dict, int]:
-    """transformers inputs for the same sequences: one packed row, or a padded batch."""
-    ids, _, _ = common.random_batch(setup.lengths, vocab, "cpu")
-    seqs = list(ids.split(setup.lengths))
-    if packed:  # labels are shifted inside the model; -100 keeps them within each sequence
-        labels = torch.cat([torch.cat([torch.tensor([-100]), s[1:]]) for s in seqs])
-        pos = torch.cat([torch.arange(n) for n in setup.lengths])
-        inputs = dict(input_ids=ids[None], position_ids=pos[None], labels=labels[None])
-        computed = ids.numel()
-    else:
-        longest = max(setup.lengths)
-        inputs = dict(
-            input_ids=torch.zeros(len(seqs), longest, dtype=torch.long),
-            attention_mask=torch.zeros(len(seqs), longest, dtype=torch.long),
-            labels=torch.full((len(seqs), longest), -100),
-        )
-        for i, s in enumerate(seqs):
-            inputs["input_ids"][i, : len(s)] = s
-            inputs["attention_mask"][i, : len(s)] = 1
-            inputs["labels"][i, : len(s)] = s
-        computed = len(seqs) * longest
-    return {k: t.to(setup.device) for k, t in inputs.items()}, computed
 
 
 def hf_row(v: Variant, setup: Setup) -> dict:
@@ -289,8 +210,8 @@ def hf_row(v: Variant, setup: Setup) -> dict:
 
     OursCache.clear()  # weights of ours must not count in this row's peak memory
     hf = setup.shapes[v.model]
-    model, attn = build_hf(hf, setup)
-    packed = hf_packing_ok(model, setup)
+    model, attn = hf_baseline.build_hf(hf, setup)
+    packed = hf_baseline.hf_packing_ok(model, setup)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
@@ -304,7 +225,7 @@ def hf_row(v: Variant, setup: Setup) -> dict:
     model = peft.get_peft_model(model, config).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
-    inputs, computed = hf_inputs(setup, hf["vocab_size"], packed)
+    inputs, computed = hf_baseline.hf_inputs(setup, hf["vocab_size"], packed)
 
     def step():
         model(**inputs).loss.backward()

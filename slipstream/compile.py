@@ -25,7 +25,7 @@ from slipstream.models.moe_block import MoEBlock
 BACKEND = "inductor"  # tests swap in a cheaper backend; the trainer uses torch's default
 
 
-def compile_blocks(model: nn.Module, backend: str | None = None, dynamic: bool = True) -> int:
+def apply_compile(model: nn.Module, backend: str | None = None, dynamic: bool = True) -> int:
     """Compile every decoder layer's `self_attn` and dense `mlp` in place; how many."""
     count = 0
     for layer in model.model.layers:

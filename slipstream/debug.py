@@ -332,21 +332,43 @@ def opaque_to_audit() -> Iterator[None]:
     graph holds no host syncs (dynamo breaks the graph at each), so nothing countable is
     skipped; on a GPU, `torch.cuda.set_sync_debug_mode` still sees the region.
     """
-    from torch.overrides import _pop_mode_temporarily
-    from torch.utils._python_dispatch import (
-        _disable_current_modes,
-        _get_current_dispatch_mode_stack,
-    )
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-    # Judged from the dispatch-mode stack, not a Python thread-local: CUDA backward (offload
-    # and checkpoint recomputes) runs on autograd's device thread, which inherits the mode
-    # stacks but not Python thread state. Its torch-function stack may be empty.
-    if not any(isinstance(m, _DispatchCounter) for m in _get_current_dispatch_mode_stack()):
-        yield
-        return
-    function_modes = torch._C._len_torch_function_stack() > 0
+    # Found on the mode stacks, not by a Python thread-local: CUDA backward (offload and
+    # checkpoint recomputes) runs on autograd's device thread, which inherits the mode stacks
+    # but not Python thread state. Only our two modes come off; any other (a user's
+    # `torch.device(...)` context, say) stays where it was.
+    function_stack = (
+        lambda: [
+            torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())
+        ],
+        torch._C._pop_torch_function_stack,
+        torch._C._push_on_torch_function_stack,
+    )
+    dispatch_stack = (_get_current_dispatch_mode_stack, _pop_mode, _push_mode)
     with (
-        _disable_current_modes(),
-        _pop_mode_temporarily() if function_modes else contextlib.nullcontext(),
+        _without(_FunctionCounter, *function_stack),
+        _without(_DispatchCounter, *dispatch_stack),
     ):
         yield
+
+
+@contextlib.contextmanager
+def _without(kind: type, stack, pop, push) -> Iterator[None]:
+    """The mode stack with the modes of `kind` taken out for the block, then as it was."""
+    modes = stack()
+    keep = [m for m in modes if not isinstance(m, kind)]
+    if len(keep) == len(modes):
+        yield
+        return
+    for _ in modes:
+        pop()
+    for m in keep:
+        push(m)
+    try:
+        yield
+    finally:
+        for _ in keep:
+            pop()
+        for m in modes:
+            push(m)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import compiled_graphs
 
 from slipstream.ops import attention
 from slipstream.ops.attention import attend, dense_causal_mask
@@ -197,21 +198,15 @@ def test_flex_block_mask_equals_create_block_mask(lengths, window):
     assert torch.equal(ours.to_dense(), ref.to_dense())
 
 
-def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_compiles_once_across_batch_lengths():
     """Packed batches change length every step: the flex call compiled with dynamic shapes
     over the FLEX_BLOCK-padded stream, with the BlockMask's tile counts marked dynamic, must
     be reused, not recompiled per batch (dynamo's guards on CPU with the eager backend; the
     gpu test below runs the real kernels, backward included)."""
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    pytest.importorskip("torch.nn.attention.flex_attention")
     torch._dynamo.reset()
-    fn = torch.compile(flex.flex_attention, dynamic=True, backend="eager")
+    fn = attention._compiled_flex("eager")  # the CUDA path's wrapper, with dynamo's guards
     graphs = []
     for lengths in ([700, 300, 24], [1500, 9, 400], [64] * 20 + [3], [130]):  # 8, 15, 11, 2 tiles
         seq = SeqInfo.from_lengths(lengths)
@@ -220,7 +215,7 @@ def test_flex_compiles_once_across_batch_lengths():
         # unmarked tile count would be tied to the head count and recompile at 15 tiles.
         q, k, v = (torch.randn(1, h, padded, 16) for h in (8, 2, 2))
         fn(q, k, v, block_mask=attention.flex_block_mask(seq), enable_gqa=True)
-        graphs.append(_graphs_compiled())
+        graphs.append(compiled_graphs())
     assert graphs == [graphs[0]] * 4
 
 
@@ -242,8 +237,8 @@ def test_cuda_flex_matches_cpu_across_lengths_without_recompiling(window):
         torch.testing.assert_close(out.cpu(), ref.detach(), atol=2e-3, rtol=2e-3)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g.cpu(), r, atol=2e-2, rtol=2e-2)
-        compiled_after_first = compiled_after_first or _graphs_compiled()
-    assert _graphs_compiled() == compiled_after_first
+        compiled_after_first = compiled_after_first or compiled_graphs()
+    assert compiled_graphs() == compiled_after_first
 
 
 @pytest.mark.parametrize("params", ["2.11", "2.12+"])
@@ -264,14 +259,14 @@ def test_varlen_arguments_follow_the_installed_signature(params, window, monkeyp
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     q, k, v = _qkv(sum(LENGTHS))
     seq = SeqInfo.from_lengths(LENGTHS)
-    assert attention._varlen_supports(window)
+    assert attention._varlen_supports()
     attention._varlen(q, k, v, seq, window, None)
     ((cu, max_q, kwargs),) = calls
     assert cu is seq.cu_seqlens and max_q == max(LENGTHS)
     assert kwargs["window_size"] == ((window - 1, 0) if window else (-1, 0))
     assert kwargs.get("enable_gqa") == (True if params == "2.12+" else None)
     monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"is_causal"}))  # 2.10
-    assert not attention._varlen_supports(window)
+    assert not attention._varlen_supports()
 
 
 def test_varlen_only_for_half_precision_flash_shapes():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import make_hf_model
+from helpers.models import compiled_graphs, make_hf_model, ours_from_hf
 from helpers.moe_models import make_hf_moe_model
 from helpers.runs import losses, run_config
 
@@ -13,7 +13,6 @@ import slipstream
 from slipstream import compile as regional
 from slipstream.config import config_from_dict
 from slipstream.memory.offload import apply_checkpointing
-from slipstream.models import family_for
 from slipstream.ops.packing import SeqInfo
 from slipstream.train import train
 
@@ -24,20 +23,6 @@ def cheap_backend(monkeypatch):
     monkeypatch.setattr(regional, "BACKEND", "aot_eager")
     yield
     torch._dynamo.reset()
-
-
-def _ours(hf_model):
-    hf = {**hf_model.config.to_dict(), "model_type": hf_model.config.model_type}
-    family = family_for(hf["model_type"], "test")
-    model = family.build(family.config_from_hf(hf))
-    model.load_state_dict(hf_model.state_dict(), strict=False)
-    return model
-
-
-def _graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def _grads(model, lengths, seed):
@@ -53,12 +38,12 @@ def test_compiled_blocks_match_eager_without_recompiling_per_batch(mode):
     """LoRA + checkpointing (offload's schedule forced on CPU) + compiled blocks: the same
     loss and grads as eager, and batches of new lengths reuse the graphs (dynamic shapes)."""
     hf_model = make_hf_model("qwen3", num_hidden_layers=3)
-    eager, compiled = _ours(hf_model), _ours(hf_model)
+    eager, compiled = ours_from_hf(hf_model), ours_from_hf(hf_model)
     for m in (eager, compiled):
         slipstream.apply_lora(m, rank=4, alpha=8, targets="all-linear")
         m.load_state_dict(eager.state_dict())
         apply_checkpointing(m, mode, force=True)
-    assert regional.compile_blocks(compiled) == 6
+    assert regional.apply_compile(compiled) == 6
     graphs_after_first = None
     for i, lengths in enumerate(([5, 9, 2], [17, 4], [3, 3, 3, 3, 11])):
         loss, grads = _grads(compiled, lengths, seed=i)
@@ -66,20 +51,22 @@ def test_compiled_blocks_match_eager_without_recompiling_per_batch(mode):
         torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-        graphs_after_first = graphs_after_first or _graphs()
-    assert 0 < graphs_after_first == _graphs()
+        graphs_after_first = graphs_after_first or compiled_graphs()
+    assert 0 < graphs_after_first == compiled_graphs()
 
 
 def test_moe_layers_compile_attention_only():
-    model = _ours(make_hf_moe_model("qwen3_moe"))
-    assert regional.compile_blocks(model) == len(model.model.layers)  # self_attn alone
+    model = ours_from_hf(make_hf_moe_model("qwen3_moe"))
+    assert regional.apply_compile(model) == len(model.model.layers)  # self_attn alone
 
 
 def test_trainer_compile_option_keeps_the_losses(tiny_run, tmp_path):
-    outs = {}
+    outs, graphs = {}, {}
     for flag in (False, True):
         raw = run_config(tiny_run, tmp_path / str(flag), steps=3)
         raw["train"].update(compile=flag, activation_checkpointing="recompute")
+        before = compiled_graphs()
         train(config_from_dict(raw))
-        outs[flag] = losses(tmp_path / str(flag))
+        outs[flag], graphs[flag] = losses(tmp_path / str(flag)), compiled_graphs() - before
+    assert graphs[False] == 0 and graphs[True] > 0  # the option did compile the blocks
     assert outs[True] == pytest.approx(outs[False], abs=1e-5)

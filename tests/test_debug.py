@@ -336,6 +336,17 @@ def test_compiled_flex_attention_runs_inside_count_syncs():
         out.sum().item()
     torch.testing.assert_close(out, ref)
     assert c.by_op == {"item": 1}
+    # A user's function mode above ours stays on; only the counters come off, then return.
+    with count_syncs() as c, torch.device("cpu"):
+        stack = [torch._C._get_function_stack_at(i) for i in range(2)]
+        with opaque_to_audit():
+            inside = torch._C._len_torch_function_stack()
+            out = fn(q, k, v, block_mask=mask)
+        after = [torch._C._get_function_stack_at(i) for i in range(2)]
+        torch.ones(2).sum().item()
+    assert inside == 1 and after == stack
+    torch.testing.assert_close(out, ref)
+    assert c.by_op == {"item": 1}
     with opaque_to_audit():  # outside a block: a no-op
         torch.testing.assert_close(fn(q, k, v, block_mask=mask), ref)
 

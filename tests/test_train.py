@@ -195,3 +195,42 @@ def test_schedule_and_optimizer_groups():
         assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # decays monotonically
     with pytest.raises(ValueError, match="nothing to train"):
         build_optimizer([("frozen", frozen)], lr=1.0, weight_decay=0.0, device=torch.device("cpu"))
+
+
+def test_cuda_rng_state_is_the_current_devices(monkeypatch):
+    """Checkpoints hold the training device's CUDA RNG state (train() makes it current), and
+    older checkpoints with one state per visible GPU still restore that device's entry."""
+    from slipstream.train import state as st
+
+    current = {"device": 1, "states": {0: "gpu0", 1: "gpu1"}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: current["states"][current["device"]])
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: restored.append(s))
+    saved = st.rng_state()
+    assert saved["cuda"] == "gpu1"
+    st.set_rng_state(saved)
+    st.set_rng_state({**saved, "cuda": ["old0", "old1"]})
+    assert restored == ["gpu1", "old1"]
+
+
+def test_mfu_is_logged_from_step_flops(tiny_run, tmp_path, monkeypatch):
+    """On a device with a known peak the trainer logs MFU = step FLOPs (train/flops.py:
+    4NT with LoRA plus attention) / time / peak. Checked on CPU with a pretend peak: the
+    logged MFU sits just above the 4NT part alone (the tiny model's attention is small)."""
+    from slipstream.train import loop
+    from slipstream.train.flops import StepFlops
+
+    peak = 1e9
+    monkeypatch.setattr(loop, "peak_flops", lambda device: peak)
+    raw = lora_with_dropout(run_config(tiny_run, tmp_path, steps=3))
+    train(config_from_dict(raw))
+    model = build_model(config_from_dict(raw), torch.device("cpu"))
+    per_token = StepFlops(model, lora=True).per_token
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        ratio = r["mfu"] / (r["tokens_per_s"] * per_token / peak)
+        assert 1.0 < ratio < 1.5, ratio

@@ -311,8 +311,9 @@ class OffloadPool:
 
     def _slot_bytes(self, nbytes: int) -> int:
         """Pinned: the next power of two, the block torch's pinned CachingHostAllocator hands
-        out anyway (its default rounding), so `host_bytes` is what is pinned and a slightly
-        longer batch still fits the slot."""
+        out anyway (its default rounding), so `host_bytes` is the pinned memory the pool holds
+        (dropped slots go back to torch's pinned cache, still pinned) and a slightly longer
+        batch still fits the slot."""
         return 1 << (nbytes - 1).bit_length() if self.pin and nbytes > 1 else nbytes
 
     # -- backward ---------------------------------------------------------------------------

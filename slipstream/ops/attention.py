@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ def attend(
     included). sinks: (H,) per-head sink logits.
     """
     if q_THD.is_cuda:
-        if sinks is None and _varlen_fits(q_THD) and _varlen_supports(window):
+        if sinks is None and _varlen_fits(q_THD) and _varlen_supports():
             return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)
         if q_THD.shape[-1] >= FLEX_MIN_HEAD_DIM:
             return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
@@ -148,7 +149,7 @@ def _varlen_params() -> frozenset[str] | None:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _varlen_supports(window: int | None) -> bool:
+def _varlen_supports() -> bool:
     """torch 2.11+ (`window_size`, causal by (-1, 0)); 2.10's is_causal-only form is not used.
     GQA needs no flag before 2.12's `enable_gqa`: the flash kernel takes fewer kv heads."""
     params = _varlen_params()
@@ -184,10 +185,16 @@ FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller heads ("E=8 ...
 
 
 def flex_padded_tokens(seq: SeqInfo) -> int:
-    return -(-seq.total_tokens // FLEX_BLOCK) * FLEX_BLOCK
+    return _round_up(seq.total_tokens, FLEX_BLOCK)
 
 
-def flex_block_tiles(lengths, window: int | None = None, block: int = FLEX_BLOCK):
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def flex_block_tiles(
+    lengths: Sequence[int], window: int | None = None, block: int = FLEX_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which (query tile, key tile) pairs a document-causal mask touches, from host lengths.
 
     -> (partial, full): (nb, nb) bool host tensors over the padded stream (the padding counts
@@ -199,7 +206,7 @@ def flex_block_tiles(lengths, window: int | None = None, block: int = FLEX_BLOCK
     the window (if any) reaches from the tile's last query back to the key tile's first key.
     """
     lengths = list(lengths)
-    padded = -(-sum(lengths) // block) * block
+    padded = _round_up(sum(lengths), block)
     if padded > sum(lengths):
         lengths.append(padded - sum(lengths))
     ends = torch.tensor([*itertools.accumulate(lengths)])
@@ -281,12 +288,12 @@ def _listed_first(tiles_NN: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
     # dynamic=True: T changes every batch; one shape-generic kernel instead of a recompile
     # per batch (and eager fallback once the recompile limit is hit).
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=True, backend=backend)
 
 
 def _flex(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):

@@ -82,6 +82,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     t = cfg.train
     out = check_output_dir(cfg.output_dir)
     device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
+    if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
+        torch.cuda.set_device(device)
     world, rank = dist.world_size(), dist.rank()
     mode = dist.resolve_mode(
         t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization
@@ -167,10 +169,10 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 aux = [aux_total / max(labels, 1)] if log_aux else []
                 interval_tokens, stopping = int(tokens), stops > 0
                 now = time.perf_counter()
-                tokens_per_s = interval_tokens / max(now - last_time, 1e-9)
+                elapsed = max(now - last_time, 1e-9)
+                tokens_per_s = interval_tokens / elapsed
                 tokens_total += interval_tokens
                 # Every rank's useful FLOPs over every rank's peak (train/flops.py).
-                elapsed = max(now - last_time, 1e-9)
                 mfu = flops / elapsed / (flop_rate * world) if flop_rate else None
                 log.log(
                     {
@@ -409,9 +411,9 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 
         apply_checkpointing(model, mode)
     if cfg.train.compile:
-        from slipstream.compile import compile_blocks
+        from slipstream.compile import apply_compile
 
-        compile_blocks(model)
+        apply_compile(model)
     return model
 
 

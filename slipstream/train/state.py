@@ -39,8 +39,8 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # this rank's device only: resume may see other GPUs
-        state["cuda"] = torch.cuda.get_rng_state()
+    if torch.cuda.is_available():  # the training device (train() makes it current) only:
+        state["cuda"] = torch.cuda.get_rng_state()  # a resume may see other GPUs
     return state
 
 

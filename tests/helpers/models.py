@@ -77,3 +77,22 @@ def assert_loss_and_grads_match(hf, ours, ids_T: torch.Tensor) -> None:
     assert set(names) <= set(hf_params), "parameter names must equal transformers' names"
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def ours_from_hf(hf_model, weights: bool = True):
+    """The slipstream model of a transformers model's config (its weights too, by default)."""
+    from slipstream.models import family_for
+
+    hf = {**hf_model.config.to_dict(), "model_type": hf_model.config.model_type}
+    family = family_for(hf["model_type"], "test")
+    model = family.build(family.config_from_hf(hf))
+    if weights:
+        model.load_state_dict(hf_model.state_dict(), strict=False)
+    return model
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (recompiles included)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
