@@ -71,7 +71,7 @@ class OffloadStats:
     bytes_reloaded: int
     num_buffers: int
     buffer_bytes: int  # size of each device reload buffer
-    host_bytes: int  # host pool size; pinned slots are whole powers of two (see _take_slot)
+    host_bytes: int  # host pool size; pinned slots are whole powers of two (_slot_bytes)
     host_allocations: int  # host slots allocated since the pool was made (not reset)
     max_resident: int  # most layer inputs the pool held on the device at once
     d2h_ms: float | None = None  # sum of device->host copy durations (copy stream)

@@ -212,11 +212,11 @@ def flex_block_tiles(
     ends = torch.tensor([*itertools.accumulate(lengths)])
     starts = ends - torch.tensor(lengths)
     nb = padded // block
-    q_first = torch.arange(nb) * block
+    i = torch.arange(nb)
+    q_first = i * block
     # Start of the sequence holding each tile's first and last token.
     first = starts[torch.searchsorted(ends, q_first, right=True)]
     last = starts[torch.searchsorted(ends, q_first + block - 1, right=True)]
-    i = torch.arange(nb)
     lo = first if window is None else torch.maximum(first, q_first - window + 1)
     j = i[None, :]
     visible = (j >= (lo // block)[:, None]) & (j <= i[:, None])
