@@ -156,11 +156,14 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        kwargs: dict[str, Any] = {"broadcast_buffers": False}
         # Buffers (RoPE tables) never change: broadcasting them each forward is a collective
         # per micro-batch for nothing. Every rank loaded the same weights with the same seed,
         # so the start-up broadcast of the whole model (frozen base too) is skipped as well.
-        if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        # torch 2.13 renamed the forward switch (`broadcast_buffers` warns there).
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        switch = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        kwargs: dict[str, Any] = {switch: False}
+        if "init_sync" in params:
             kwargs["init_sync"] = False
         ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedDataParallel(_LossForward(model), device_ids=ids, **kwargs)
