@@ -14,6 +14,8 @@ from types import ModuleType
 FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
+    "qwen2": "qwen2",
+    "phi3": "phi3",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "gpt_oss": "gpt_oss",

@@ -27,6 +27,8 @@ def make_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[model_type]
     kwargs = {**LLAMA_BASE, **overrides}
@@ -34,6 +36,8 @@ def make_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if model_type == "mistral":
         kwargs.setdefault("sliding_window", None)
+    if model_type == "phi3":  # its default pad id (32000) is outside the tiny vocab
+        kwargs.setdefault("pad_token_id", None)
     config = config_cls(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

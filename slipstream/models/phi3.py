@@ -1,0 +1,213 @@
+"""Phi-3 family (Phi3ForCausalLM: Phi-3/3.5-mini, Phi-3-medium, Phi-4, Phi-4-mini).
+
+What differs from the Llama decoder:
+- fused projections, under Hugging Face's names so weights and PEFT adapters match by name:
+  `self_attn.qkv_proj` (D -> H*Dh + 2*G*Dh: q rows, then k, then v) and `mlp.gate_up_proj`
+  (D -> 2F: gate rows, then up); no biases.
+- partial rotary (`partial_rotary_factor`, 0.75 on Phi-4-mini): RoPE turns the first
+  R = int(Dh * factor) features of each head and passes the rest through.
+- `longrope` scaling (Phi-3.5-mini, Phi-4-mini; legacy names `su`, `yarn`): inverse
+  frequencies 1 / (ext * theta^(2i/R)) with ext = `short_factor` for a sequence of at most
+  `original_max_position_embeddings` tokens and `long_factor` beyond, cos/sin scaled by
+  sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (or `factor`).
+  transformers picks the set once per forward by the batch's largest position; here each
+  packed sequence gets the set its own length picks (what transformers gives it alone), so
+  packing never changes a sequence's result. The choice is made from the host lengths; a
+  batch with sequences on both sides blends per token on the device: no host sync.
+- `sliding_window` (2047 on Phi-3-mini-4k) on every layer, as for Mistral.
+
+Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, R rotary dims, F mlp width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.models.common import (
+    Attention,
+    Backbone,
+    CausalLM,
+    DecoderLayer,
+    ModelConfig,
+    base_config_from_hf,
+)
+from slipstream.models.rope import apply_rope, rope_cos_sin
+from slipstream.ops.attention import attend
+from slipstream.ops.packing import SeqInfo
+
+LONGROPE_NAMES = ("longrope", "su", "yarn")  # transformers maps the legacy names to longrope
+
+
+@dataclass(frozen=True)
+class Phi3Rope:
+    theta: float
+    rotary_dim: int
+    short_factor: tuple[float, ...] | None = None  # None: plain RoPE
+    long_factor: tuple[float, ...] | None = None
+    original_max: int = 4096
+    attention_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> Phi3Rope:
+        """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x)."""
+        params = dict(hf.get("rope_scaling") or {})
+        params.update(hf.get("rope_parameters") or {})
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rotary_dim = int(head_dim * factor)
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(
+                f"config.json: partial_rotary_factor={factor} gives {rotary_dim} rotary dims of "
+                f"head_dim {head_dim}; it must give an even number in (0, {head_dim}]."
+            )
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        if rope_type == "default":
+            return cls(theta, rotary_dim)
+        if rope_type not in LONGROPE_NAMES:
+            raise ValueError(
+                f"config.json: rope type {rope_type!r} is not supported for phi3; "
+                "supported: default, longrope."
+            )
+        short, long = params.get("short_factor"), params.get("long_factor")
+        for key, value in (("short_factor", short), ("long_factor", long)):
+            if not isinstance(value, list) or len(value) != rotary_dim // 2:
+                raise ValueError(
+                    f"config.json: rope {key} must be a list of {rotary_dim // 2} numbers "
+                    f"(rotary dims / 2), got {value!r:.60}."
+                )
+        # transformers lets the top-level key win over the one in the rope dict.
+        original = hf.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings", 4096
+        )
+        scale = params.get("factor") or hf.get("max_position_embeddings", 4096) / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        return cls(theta, rotary_dim, tuple(short), tuple(long), int(original), float(attention))
+
+    def inv_freq(self, ext: tuple[float, ...] | None) -> torch.Tensor:
+        """(R/2,) float32: 1 / (ext * theta^(2i/R)); ext None: plain RoPE."""
+        R = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
+        return inv_freq if ext is None else inv_freq / torch.tensor(ext, dtype=torch.float32)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    rope = Phi3Rope.from_hf(hf)  # the checks, at load
+    window = hf.get("sliding_window")
+    if window is not None and not (isinstance(window, int) and window > 0):
+        raise ValueError(
+            f"config.json: sliding_window={window!r} must be a positive integer or null."
+        )
+    # The shared config gets plain RoPE (its parser does not know longrope); Phi3Backbone
+    # builds the real one from `cfg.hf`.
+    plain = {**hf, "rope_scaling": None, "rope_parameters": {"rope_theta": rope.theta}}
+    cfg = base_config_from_hf(plain, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
+    cfg.hf = dict(hf)
+    return cfg
+
+
+def apply_partial_rope(x_THD: torch.Tensor, cos_sin) -> torch.Tensor:
+    """RoPE on the first R features of each head (R = cos's width); the rest pass through."""
+    R = cos_sin[0].shape[-1]
+    if x_THD.shape[-1] == R:
+        return apply_rope(x_THD, cos_sin)
+    return torch.cat([apply_rope(x_THD[..., :R], cos_sin), x_THD[..., R:]], dim=-1)
+
+
+class Phi3Attention(Attention):
+    """GQA attention with one fused `qkv_proj` and partial rotary."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        super().__init__(cfg, window)
+        del self.q_proj, self.k_proj, self.v_proj
+        H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * G) * Dh, bias=False)
+
+    def project_qkv(self, x_TD: torch.Tensor):
+        T, H, G, Dh = x_TD.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x_TD).split([H * Dh, G * Dh, G * Dh], dim=-1)
+        return q.view(T, H, Dh), k.view(T, G, Dh), v.view(T, G, Dh)
+
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
+        q_THD, k_TGD = apply_partial_rope(q_THD, cos_sin), apply_partial_rope(k_TGD, cos_sin)
+        o_THD = attend(q_THD, k_TGD, v_TGD, seq, window=self.window)
+        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
+
+
+class Phi3MLP(nn.Module):
+    """SwiGLU with gate and up fused in one `gate_up_proj` (gate first)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_TF, up_TF = self.gate_up_proj(x_TD).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate_TF) * up_TF)
+
+
+class Phi3Backbone(Backbone):
+    """The shared backbone with Phi-3's RoPE: R rotary dims, longrope's two factor sets."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__(cfg, layers)
+        self.phi3_rope = Phi3Rope.from_hf(cfg.hf)
+        R = self.phi3_rope.rotary_dim
+        self.inv_freq = torch.empty(R // 2, dtype=torch.float32)  # replaces the buffer
+        self.register_buffer("long_inv_freq", torch.empty_like(self.inv_freq), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        rope = self.phi3_rope
+        self.rope_scale = rope.attention_factor
+        with torch.no_grad():
+            self.inv_freq.copy_(rope.inv_freq(rope.short_factor))
+            self.long_inv_freq.copy_(rope.inv_freq(rope.long_factor))
+
+    def cos_sin(self, seq: SeqInfo, dtype: torch.dtype):
+        """(T, R) cos and sin; each sequence's factor set picked from its host length."""
+        longer = [n > self.phi3_rope.original_max for n in seq.lengths]
+        if self.phi3_rope.long_factor is None or not any(longer):
+            return rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
+        long = rope_cos_sin(seq.position_ids, self.long_inv_freq, self.rope_scale, dtype)
+        if all(longer):
+            return long
+        short = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
+        # Mixed batch: per token, from the device copies of the boundaries (no host sync).
+        lengths_N = seq.cu_seqlens[1:] - seq.cu_seqlens[:-1]
+        long_T1 = (lengths_N > self.phi3_rope.original_max).index_select(0, seq.seq_ids)[:, None]
+        return tuple(torch.where(long_T1, lo, sh) for lo, sh in zip(long, short, strict=True))
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        x_TD = self.embed_tokens(input_ids_T)
+        cos_sin = self.cos_sin(seq, x_TD.dtype)  # once per forward, shared by every layer
+        for layer in self.layers:
+            x_TD = layer(x_TD, seq, cos_sin)
+        return self.norm(x_TD)
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    window = cfg.hf.get("sliding_window")
+    layers = [
+        DecoderLayer(
+            cfg,
+            Phi3Attention(cfg, window),
+            Phi3MLP(cfg.hidden_size, cfg.intermediate_size),
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    model = CausalLM(cfg, layers)
+    # The plain backbone CausalLM built is replaced (load_model builds on the meta device,
+    # where that costs nothing).
+    model.model = Phi3Backbone(cfg, layers)
+    return model

@@ -1,0 +1,65 @@
+"""Qwen2 family (Qwen2ForCausalLM: Qwen2, Qwen2.5): the Llama decoder with biases on
+q_proj/k_proj/v_proj (o_proj has none), and optional sliding-window layers.
+
+Windows, as transformers 5 reads a Qwen2 config.json: `sliding_window` counts only when
+`use_sliding_window` is true (it is false on the published Qwen2.5 checkpoints); then the
+layers `layer_types` marks `sliding_attention` are windowed, or, without `layer_types` (configs
+written by transformers 4), the layers from index `max_window_layers` (default 28) on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from slipstream.models.common import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    ModelConfig,
+    SwiGLU,
+    base_config_from_hf,
+)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    cfg = base_config_from_hf(hf, attention_bias=True)
+    layer_windows(cfg)  # a malformed layer_types fails at load, not at build
+    return cfg
+
+
+class Qwen2Attention(Attention):
+    """Biased q/k/v projections; the output projection has no bias."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+        super().__init__(cfg, window)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+
+def layer_windows(cfg: ModelConfig) -> list[int | None]:
+    """Per-layer attention window (None: full causal attention); see the module docstring."""
+    hf, L = cfg.hf, cfg.num_hidden_layers
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    first_windowed = hf.get("max_window_layers", 28)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window and i >= first_windowed else "full_attention"
+        for i in range(L)
+    ]
+    if len(types) != L:
+        raise ValueError(
+            f"config.json: layer_types has {len(types)} entries but num_hidden_layers is {L}."
+        )
+    return [window if window and t == "sliding_attention" else None for t in types]
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    layers = [
+        DecoderLayer(
+            cfg,
+            Qwen2Attention(cfg, window),
+            SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
+        )
+        for window in layer_windows(cfg)
+    ]
+    return CausalLM(cfg, layers)
