@@ -72,6 +72,7 @@ class TrainSection(_Section):
     grad_accum: int = Field(1, gt=0)
     clip: float | None = Field(1.0, gt=0)  # max grad norm; null: no clipping
     weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes 8-bit states
     seed: int = 0
     eval_every: int = Field(0, ge=0)  # 0: eval at start and end only
     save_every: int = Field(0, ge=0)  # 0: no mid-run checkpoints

@@ -115,7 +115,7 @@ def gather_objects(value: Any) -> list[Any]:
     return out
 
 
-def resolve_mode(mode: str, *, method: str, quantization: str) -> str:
+def resolve_mode(mode: str, *, method: str, quantization: str, optimizer: str = "adamw") -> str:
     """The parallel mode for this run: "none", "ddp" or "fsdp" (see the module docstring)."""
     world = world_size()
     if mode not in MODES:
@@ -129,6 +129,11 @@ def resolve_mode(mode: str, *, method: str, quantization: str) -> str:
         )
     if mode == "fsdp" and quantization != "none":
         raise ValueError("train.parallel=fsdp cannot shard NF4 weights; use ddp for QLoRA")
+    if mode == "fsdp" and optimizer == "adamw_8bit":
+        raise ValueError(
+            "train.optimizer=adamw_8bit cannot step FSDP2's sharded parameters; "
+            "use train.optimizer=adamw with fsdp, or train.parallel=ddp"
+        )
     return mode if world > 1 else "none"
 
 

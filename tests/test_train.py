@@ -7,14 +7,13 @@ saves a checkpoint and stops cleanly; no host sync inside the micro-batch loop.
 
 import json
 import math
-import os
 import shutil
 import signal
 
 import pytest
 import torch
 import yaml
-from helpers.runs import lora_with_dropout, losses, run_config
+from helpers.runs import lora_with_dropout, losses, run_config, train_until_signal
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
@@ -80,7 +79,7 @@ def test_resume_gives_the_same_losses(tiny_run, tmp_path):
     # 20 batches an epoch, 4 a step: steps 4-6 cross into epoch 2, so the resumed data
     # stream must find both its place in an epoch and the next epoch's order.
     first = config_from_dict(lora_with_dropout(run_config(tiny_run, split, **kw)))
-    _train_until_signal(first, at_step=4)  # stops after step 4; resumes from the step-3 save
+    train_until_signal(first, at_step=4)  # stops after step 4; resumes from the step-3 save
     resumed = lora_with_dropout(run_config(tiny_run, split, **kw))
     shutil.rmtree(split / "checkpoints" / "step-000004")  # as if killed before that save
     summary = train(config_from_dict({**resumed, "resume": True}))
@@ -98,42 +97,13 @@ def test_resume_gives_the_same_losses(tiny_run, tmp_path):
 def test_sigterm_saves_checkpoint_and_stops(tiny_run, tmp_path):
     out = tmp_path / "run"
     cfg = config_from_dict(run_config(tiny_run, out, steps=6))
-    summary = _train_until_signal(cfg, at_step=2)
+    summary = train_until_signal(cfg, at_step=2)
     assert summary["status"] == "interrupted" and summary["steps"] == 2
     assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
     state = torch.load(list_checkpoints(out)[0] / "state.pt", weights_only=False)
     assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
     assert not (out / "model.safetensors").exists()  # no final model from a stopped run
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
-
-
-def _train_until_signal(cfg, at_step):
-    """Run `train` and send SIGTERM to ourselves during optimizer step `at_step`."""
-    from slipstream.checkpoint import hf
-
-    calls = {"n": 0}
-    per_step = cfg.train.grad_accum
-    real_load = hf.load_model
-
-    def load_and_hook(*args, **kwargs):
-        model = real_load(*args, **kwargs)
-        real_loss = model.loss
-
-        def loss(*a, **k):
-            if model.training:
-                calls["n"] += 1
-                if calls["n"] == at_step * per_step:
-                    os.kill(os.getpid(), signal.SIGTERM)
-            return real_loss(*a, **k)
-
-        model.loss = loss
-        return model
-
-    hf.load_model = load_and_hook
-    try:
-        return train(cfg)
-    finally:
-        hf.load_model = real_load
 
 
 def _tokenizer(tiny_run):

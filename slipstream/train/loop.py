@@ -86,7 +86,10 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         torch.cuda.set_device(device)
     world, rank = dist.world_size(), dist.rank()
     mode = dist.resolve_mode(
-        t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization
+        t.parallel,
+        method=cfg.lora.method,
+        quantization=cfg.model.quantization,
+        optimizer=t.optimizer,
     )
     if dist.is_main():
         write_resolved_config(cfg, out)
@@ -103,7 +106,11 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     full = cfg.lora.method == "full"
 
     optimizer = build_optimizer(
-        model.named_parameters(), lr=t.lr, weight_decay=t.weight_decay, device=device
+        model.named_parameters(),
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        device=device,
+        kind=t.optimizer,
     )
     epochs = t.epochs if t.epochs is not None else 1.0
     per_step = t.grad_accum * world  # micro-batches in one optimizer step, all ranks together

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 from helpers.models import make_hf_model
@@ -67,3 +69,33 @@ def lora_with_dropout(raw):
     # Dropout draws from the torch RNG every step: resume must restore the RNG exactly.
     raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.2}
     return raw
+
+
+def train_until_signal(cfg, at_step):
+    """Run `train` and send SIGTERM to ourselves during optimizer step `at_step`."""
+    from slipstream.checkpoint import hf
+    from slipstream.train import train
+
+    calls = {"n": 0}
+    per_step = cfg.train.grad_accum
+    real_load = hf.load_model
+
+    def load_and_hook(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        real_loss = model.loss
+
+        def loss(*a, **k):
+            if model.training:
+                calls["n"] += 1
+                if calls["n"] == at_step * per_step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return real_loss(*a, **k)
+
+        model.loss = loss
+        return model
+
+    hf.load_model = load_and_hook
+    try:
+        return train(cfg)
+    finally:
+        hf.load_model = real_load
