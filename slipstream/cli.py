@@ -70,10 +70,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_output_dir(cfg.output_dir)  # before any expensive import or load
+    import torch
+
     from slipstream.distributed import is_main
     from slipstream.train import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except torch.OutOfMemoryError as e:  # the config asks more than the GPU has: say which knobs
+        raise ValueError(out_of_memory_advice(cfg, e)) from None
     status = f"{summary['status']} at step {summary['steps']}"
     if is_main():  # under torchrun, one line for the job rather than one per process
         print(f"slipstream: {status}; output in {cfg.output_dir}")
@@ -124,6 +129,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name not in by_name:
         raise ValueError(f"unknown benchmark '{args.name}' (one of: {', '.join(by_name)})")
     return subprocess.call([sys.executable, str(by_name[args.name]), *args.args])
+
+
+def out_of_memory_advice(cfg, e: BaseException) -> str:
+    """One line: torch's own words (what it tried to allocate, what was free), then the
+    settings of this run that lower peak memory, most effective first."""
+    t = cfg.train
+    said = one_line(e).split(" Including non-PyTorch memory")[0].split(" If reserved")[0]
+    tips = [f"lower train.tokens_per_batch (now {t.tokens_per_batch}) and raise "
+            "train.grad_accum to keep the tokens per step"]  # fmt: skip
+    if t.activation_checkpointing in ("none", "recompute"):
+        tips.append("set train.activation_checkpointing=offload")
+    if cfg.lora.method == "full":
+        if t.optimizer == "adamw":
+            tips.append("set train.optimizer=adamw_8bit")
+        tips.append("use lora.method=lora")
+    elif cfg.model.quantization == "none":
+        tips.append("set model.quantization=nf4 (QLoRA)")
+    return f"out of GPU memory ({said}); " + ", or ".join(tips)
 
 
 def one_line(e: BaseException) -> str:

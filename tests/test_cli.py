@@ -144,3 +144,41 @@ def test_demo_and_bench_dispatch(monkeypatch, capsys):
     assert seen["args"].output_dir == "somewhere"
     assert cli.main(["bench", "no_such_benchmark"]) == 2
     assert "no_such_benchmark" in error_line(capsys)
+
+
+OOM = (
+    "CUDA out of memory. Tried to allocate 3.88 GiB. GPU 0 has a total capacity of 139.8 GiB "
+    "of which 1.2 GiB is free. Including non-PyTorch memory, this process has 138.5 GiB "
+    "memory in use. Of the allocated memory 131.0 GiB is allocated by PyTorch."
+)
+
+
+@pytest.mark.parametrize(
+    "overrides,tips,not_tips",
+    [
+        (["lora.method=full"], ["adamw_8bit", "lora.method=lora", "offload"], ["nf4"]),
+        (["train.activation_checkpointing=offload", "model.quantization=nf4"], [],
+         ["adamw_8bit", "nf4", "offload"]),
+        (["train.activation_checkpointing=recompute"], ["nf4", "offload"], ["adamw_8bit"]),
+    ],
+)  # fmt: skip
+def test_out_of_gpu_memory_is_one_line_with_this_runs_knobs(
+    tiny_run, tmp_path, capsys, monkeypatch, overrides, tips, not_tips
+):
+    import slipstream.train
+
+    def out_of_memory(cfg):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr(slipstream.train, "train", out_of_memory)
+    config = write_yaml(tmp_path / "run.yaml", lora_config(tiny_run, tmp_path / "out"))
+    assert cli.main(["train", str(config), "train.tokens_per_batch=4096", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith("slipstream: error: out of GPU memory (CUDA out of memory. Tried to")
+    assert "is free.)" in err and "non-PyTorch" not in err  # torch's figures, not its essay
+    assert "train.tokens_per_batch (now 4096)" in err
+    for tip in tips:
+        assert tip in err, tip
+    for tip in not_tips:
+        assert tip not in err, tip
