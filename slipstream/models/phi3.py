@@ -109,7 +109,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     # The shared config gets plain RoPE (its parser does not know longrope); Phi3Backbone
     # builds the real one from `cfg.hf`.
     plain = {**hf, "rope_scaling": None, "rope_parameters": {"rope_theta": rope.theta}}
-    cfg = base_config_from_hf(plain, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
+    # transformers' Phi3 has no biases whatever attention_bias/mlp_bias say (Phi-4-mini
+    # writes both false).
+    cfg = base_config_from_hf(
+        plain, attention_bias=False, mlp_bias=False, rms_norm_eps=hf.get("rms_norm_eps", 1e-5)
+    )
     cfg.hf = dict(hf)
     return cfg
 
