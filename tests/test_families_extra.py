@@ -243,3 +243,48 @@ def test_config_errors_are_one_line(hf, match):
     with pytest.raises(ValueError, match=match) as e:
         family_for(hf["model_type"]).config_from_hf(hf)
     assert "\n" not in str(e.value)
+
+
+def test_phi4_mini_rope_matches_transformers_longrope():
+    """Phi-4-mini's real shapes (config.json as published: transformers 4 keys, partial rotary
+    0.75 at the top level, 48 factors): our frequencies and scale equal transformers'."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from slipstream.models import phi3
+
+    g = torch.Generator().manual_seed(0)
+    short, long = (
+        (1 + 3 * torch.rand(48, generator=g)).tolist(),
+        (1 + 40 * torch.rand(48, generator=g)).tolist(),
+    )
+    raw = dict(
+        model_type="phi3",
+        vocab_size=200064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75,
+        rope_theta=10000.0,
+        sliding_window=262144,
+        tie_word_embeddings=True,
+        pad_token_id=None,
+        rope_scaling=dict(type="longrope", short_factor=short, long_factor=long),
+    )
+    rope = phi3.Phi3Rope.from_hf(raw)
+    ref = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    ref_short, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](ref)
+    ref_long, _ = ROPE_INIT_FUNCTIONS["longrope"](ref, seq_len=4097)
+    assert rope.rotary_dim == 96 and rope.original_max == 4096
+    assert rope.attention_factor == pytest.approx(ref_scale, rel=1e-12)
+    torch.testing.assert_close(rope.inv_freq(rope.short_factor), ref_short, atol=0, rtol=1e-6)
+    torch.testing.assert_close(rope.inv_freq(rope.long_factor), ref_long, atol=0, rtol=1e-6)
+    with torch.device("meta"):
+        model = phi3.build(phi3.config_from_hf(raw))
+    attn = model.model.layers[0].self_attn
+    assert tuple(attn.qkv_proj.weight.shape) == ((24 + 2 * 8) * 128, 3072)
+    assert attn.window == 262144 and not hasattr(model, "lm_head")
