@@ -1,8 +1,9 @@
-"""The `slipstream` command: train, demo, export, bench.
+"""The `slipstream` command: train, demo, export, generate, bench.
 
     slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
     slipstream demo                                LoRA on SmolLM2-135M, no network
     slipstream export ADAPTER_DIR --base MODEL --out DIR
+    slipstream generate MODEL_OR_ADAPTER_DIR "prompt" [--base MODEL] [--max-new-tokens N]
     slipstream bench [NAME]
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
@@ -58,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the merged model")
     p.set_defaults(run=cmd_export)
 
+    p = sub.add_parser("generate", help="greedy reply of a model or a LoRA run to one prompt")
+    p.add_argument("model", help="model folder, .gguf file or hub id; or an adapter folder")
+    p.add_argument("prompt", help="the user message (the chat template is applied)")
+    p.add_argument("--base", help="an adapter's base model (default: its adapter_config.json's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.set_defaults(run=cmd_generate)
+
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -104,15 +113,46 @@ def cmd_export(args: argparse.Namespace) -> int:
     from slipstream.peft.lora import load_adapter
     from slipstream.train.loop import load_tokenizer
 
-    # The trainer saves the tokenizer beside the adapter; otherwise take the base model's.
-    has_tokenizer = any(adapter.glob("tokenizer*"))
-    tokenizer = load_tokenizer(str(adapter) if has_tokenizer else args.base)
+    tokenizer = load_tokenizer(tokenizer_source(adapter, args.base))
     model = load_model(args.base)
     load_adapter(model, adapter)
     out = export_merged(model, args.out, tokenizer=tokenizer)
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.generate import chat_reply
+    from slipstream.peft.lora import load_adapter
+    from slipstream.train.loop import load_tokenizer, resolve_device, resolve_dtype
+
+    src = Path(args.model)
+    adapter = src if (src / "adapter_config.json").is_file() else None
+    base = args.base or (adapter_base(adapter) if adapter else args.model)
+    device = resolve_device(args.device)
+    tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base)
+    model = load_model(base, dtype=resolve_dtype("auto", device), device=device)
+    if adapter:
+        load_adapter(model, adapter)
+    print(chat_reply(model, tokenizer, args.prompt, args.max_new_tokens))
+    return 0
+
+
+def adapter_base(adapter: Path) -> str:
+    """The base model an adapter was trained on, as its adapter_config.json records it."""
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter}/adapter_config.json names no base model; pass --base MODEL")
+    return base
+
+
+def tokenizer_source(adapter: Path, base: str) -> str:
+    """The trainer saves the tokenizer beside the adapter; otherwise take the base model's."""
+    return str(adapter) if any(adapter.glob("tokenizer*")) else base
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -63,28 +63,12 @@ def write_demo_data(data_dir: Path, plan: dict) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def sample_reply(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int = 32) -> str:
-    from slipstream.generate import greedy_generate
-
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    stops = tuple(i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None)
-    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(eot, int) and eot != tokenizer.unk_token_id:
-        stops += (eot,)
-    model.eval()
-    reply = greedy_generate(model, list(ids), max_new_tokens=max_new_tokens, stop_ids=stops)
-    return tokenizer.decode(reply, skip_special_tokens=True).strip()
-
-
 def run_demo(args: argparse.Namespace | None = None) -> int:
     import torch
 
     from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
     from slipstream.config import config_from_dict
+    from slipstream.generate import chat_reply
     from slipstream.train.loop import build_model, resolve_device, seed_everything, train
 
     out = getattr(args, "output_dir", None) or DEFAULT_OUT
@@ -101,9 +85,9 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     seed_everything(cfg.train.seed)  # the LoRA initialisation too: a demo run repeats
     model = build_model(cfg, device)
     print(f"loaded and dequantised in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    before = sample_reply(model, tokenizer)
+    before = chat_reply(model, tokenizer, PROMPT, max_new_tokens=32)
     summary = train(cfg, model=model, tokenizer=tokenizer)
-    after = sample_reply(model, tokenizer)
+    after = chat_reply(model, tokenizer, PROMPT, max_new_tokens=32)
 
     print()
     print(f"held-out loss: {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f}")

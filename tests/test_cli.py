@@ -182,3 +182,50 @@ def test_out_of_gpu_memory_is_one_line_with_this_runs_knobs(
         assert tip in err, tip
     for tip in not_tips:
         assert tip not in err, tip
+
+
+def test_generate_replies_as_transformers_and_peft_do(tiny_run, tmp_path, capsys):
+    """`slipstream generate ADAPTER_DIR prompt` finds the base model and tokenizer, applies
+    the chat template and decodes the greedy reply that transformers + peft generate."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import slipstream
+
+    model_dir, adapter = tiny_run[0], tmp_path / "adapter"
+    model = slipstream.load_model(model_dir)
+    slipstream.apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    slipstream.save_adapter(model, adapter, base_model_name_or_path=str(model_dir))
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter)
+
+    prompt = "What color is the sky?"
+    assert cli.main(["generate", str(adapter), prompt, "--max-new-tokens", "12"]) == 0
+    reply = capsys.readouterr().out.strip()
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, adapter).eval()
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    out = peft_model.generate(
+        input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=stops, pad_token_id=0
+    )[0, ids.shape[1] :]
+    assert reply == tok.decode(out, skip_special_tokens=True).strip()
+    assert len(reply) > 0
+
+    # The base model alone (a model folder, not an adapter) replies differently.
+    assert cli.main(["generate", str(model_dir), prompt, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() != reply
+
+    (adapter / "adapter_config.json").write_text(
+        (adapter / "adapter_config.json").read_text().replace(str(model_dir), "")
+    )
+    assert cli.main(["generate", str(adapter), prompt]) == 2
+    assert "names no base model; pass --base MODEL" in capsys.readouterr().err
