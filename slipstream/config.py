@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class _Section(BaseModel):
@@ -35,9 +42,11 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    train: str  # a local jsonl/json/parquet/csv file or a hub dataset id
+    # A local jsonl/json/parquet/csv file or a hub dataset id, or a list of them (mixed
+    # formats allowed): their examples are pooled, then packed and shuffled together.
+    train: str | list[str]
     split: str | None = None  # for hub datasets: which split (train and eval file alike)
-    eval: str | None = None  # a held-out file; or use eval_fraction
+    eval: str | list[str] | None = None  # held-out source(s); or use eval_fraction (per source)
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     format: str = "auto"  # auto-detected from the columns unless given
     train_on: Literal["assistant", "all"] = "assistant"
@@ -45,6 +54,13 @@ class DataSection(_Section):
     overlong: Literal["truncate", "drop"] = "drop"
     strict: bool = False  # a bad row is fatal instead of counted and skipped
     num_proc: int | None = Field(None, gt=0)
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _sources(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError("give one or more sources, each once")
+        return value
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:

@@ -351,30 +351,27 @@ def collate_batch(examples: list[Any], indices: list[int], device: torch.device)
 
 
 def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
-    """Load, tokenize, split and pack; report what was skipped, truncated or dropped."""
-    from slipstream.data import load_split, pack_examples, packing_efficiency, tokenize_rows
+    """Load, tokenize and split each source, pool them and pack; report what was skipped,
+    truncated or dropped."""
+    from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
 
     d, t = cfg.data, cfg.train
-    max_tokens = min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch)
-    options = dict(
-        format=d.format, train_on=d.train_on, max_tokens=max_tokens, overlong=d.overlong,
-        strict=d.strict, num_proc=d.num_proc,
-    )  # fmt: skip
-    train_rows, eval_rows = load_split(
-        d.train, eval_source=d.eval, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
-    )
-
-    # Under torchrun each rank tokenizes a slice of the rows and all get every example back,
-    # in row order: every rank packs the same batches, as one process would.
-    def tokenize(rows, first_row):
-        return tokenize_rows(rows, tokenizer, first_row=first_row, **options)
-
-    examples, report = dist.tokenize_sharded(tokenize, train_rows, "train")
-    if not examples:
-        raise ValueError(f"data.train: no usable examples in '{d.train}' ({report.summary()})")
-    eval_examples = []
-    if eval_rows is not None:
-        eval_examples, _ = dist.tokenize_sharded(tokenize, eval_rows, "eval")
+    examples, eval_examples, reports = [], [], []
+    for source in _sources(d.train):
+        rows, eval_rows = load_split(
+            source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
+        )
+        part, report = _tokenize_source(cfg, tokenizer, rows, source, "train")
+        examples += part
+        reports.append(report)
+        if eval_rows is not None:
+            eval_examples += _tokenize_source(cfg, tokenizer, eval_rows, source, "eval")[0]
+        if len(_sources(d.train)) > 1:
+            dist.print_main(f"slipstream: {source}: {report.summary()}")
+    for source in _sources(d.eval):
+        rows = load_rows(source, split=d.split)
+        eval_examples += _tokenize_source(cfg, tokenizer, rows, source, "eval")[0]
+    report = dist.merge_reports(reports)
     lengths = [len(ex.input_ids) for ex in examples]
     train_batches = pack_examples(lengths, t.tokens_per_batch)
     eval_lengths = [len(ex.input_ids) for ex in eval_examples]
@@ -385,6 +382,33 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
         f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}"
     )
     return RunData(examples, train_batches, eval_examples, eval_batches, report, efficiency)
+
+
+def _sources(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else value
+
+
+def _tokenize_source(cfg: RunConfig, tokenizer: Any, rows: Any, source: str, what: str):
+    """(examples, DataReport) of one source's rows. Under torchrun each rank tokenizes a
+    slice and all get every example back, in row order: every rank packs the same batches."""
+    from slipstream.data import tokenize_rows
+
+    d, t = cfg.data, cfg.train
+    options = dict(
+        format=d.format, train_on=d.train_on, overlong=d.overlong, strict=d.strict,
+        num_proc=d.num_proc, max_tokens=min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch),
+    )  # fmt: skip
+
+    def tokenize(part, first_row):
+        return tokenize_rows(part, tokenizer, first_row=first_row, **options)
+
+    try:
+        examples, report = dist.tokenize_sharded(tokenize, rows, what)
+    except ValueError as e:
+        raise ValueError(f"data source '{source}' ({what}): {e}") from None
+    if not examples:
+        raise ValueError(f"data source '{source}': no usable examples ({report.summary()})")
+    return examples, report
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
