@@ -23,7 +23,11 @@ from slipstream.debug import count_syncs
 COLUMNS = ["model_type", "kind", "features", "fwd+bwd syncs", "optimizer syncs", "where"]
 
 # Config keys a family needs beyond common.TINY for its tiny model to be valid.
-EXTRA = {"mistral": {"sliding_window": None}}
+EXTRA = {
+    "mistral": {"sliding_window": None},
+    # both layer types (two RoPEs), a window shorter than the sequences
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
+}
 
 
 def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:

@@ -19,11 +19,20 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "gpt_oss": "gpt_oss",
+    "gemma3_text": "gemma3",
+}
+# model_types refused with what to do instead of the list above.
+REFUSED: dict[str, str] = {
+    "gemma3": "Gemma3ForConditionalGeneration (image+text) is not supported, only gemma3_text; "
+    "export its text model: transformers' Gemma3ForCausalLM(config.text_config), load "
+    "model.language_model's state_dict into its .model, save_pretrained.",
 }
 
 
 def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
     """The family module for `model_type`, or a one-line error listing the supported ones."""
+    if model_type in REFUSED:
+        raise ValueError(f"{source}: model_type {model_type!r}: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise ValueError(

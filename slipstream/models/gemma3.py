@@ -1,0 +1,249 @@
+"""Gemma 3 family, text only (Gemma3ForCausalLM, `model_type: gemma3_text`): Gemma-3-270M and
+1B, and text-only exports of the larger ones.
+
+What differs from the Llama decoder:
+- the embeddings are multiplied by sqrt(hidden_size), rounded to the embedding dtype first as
+  transformers does (in bf16, sqrt(1152) = 33.94 becomes 34.0); the tied LM head is unscaled;
+- RMSNorm stores an offset: x_norm * (1 + weight), both in float32, then cast (zero init);
+- four norms a layer: `post_attention_layernorm` normalises the attention OUTPUT before the
+  residual add, `pre_feedforward_layernorm`/`post_feedforward_layernorm` wrap the MLP;
+- q_norm/k_norm over each head's Dh features; attention scale query_pre_attn_scalar**-0.5;
+- GeGLU MLP (gelu, tanh approximation);
+- `layer_types` marks sliding layers: they see the last `sliding_window` keys and use the
+  local RoPE (base 10k, no scaling); full layers use the global one (base 1M, linear factor 8
+  on 4B+). `Gemma3Backbone` builds both cos/sin pairs once per forward; each layer is called
+  with its own type's pair, so a layer is still `layer(x_TD, seq, cos_sin)`.
+Weights load by name (HF names throughout).
+
+Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, F mlp width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.models.common import Attention, Backbone, CausalLM, ModelConfig, base_config_from_hf
+from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
+from slipstream.ops.attention import attend
+from slipstream.ops.packing import SeqInfo
+
+# Gemma3TextConfig's defaults for the keys a config.json may leave out (the published 1B one
+# has no tie_word_embeddings and no layer_types).
+DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+GLOBAL_THETA, LOCAL_THETA, SLIDING_WINDOW_PATTERN = 1_000_000.0, 10_000.0, 6
+# hidden_activation -> F.gelu's `approximate`
+GELU_APPROXIMATE = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass
+class Gemma3Config(ModelConfig):
+    local_rope: RopeConfig = field(default_factory=RopeConfig)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    query_pre_attn_scalar: float = 256.0
+    gelu_approximate: str = "tanh"
+
+
+def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(
+                f"config.json: {key}={hf[key]} is not supported (logit soft-capping is Gemma 2; "
+                "Gemma 3 has it null)."
+            )
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            "config.json: use_bidirectional_attention=true (an embedding model) is not "
+            "supported; slipstream trains causal LMs."
+        )
+    full = {**DEFAULTS, **hf}
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or DEFAULTS["hidden_activation"]
+    if act not in GELU_APPROXIMATE:
+        raise ValueError(
+            f"config.json: hidden_activation {act!r} is not supported for gemma3_text; "
+            f"supported: {', '.join(GELU_APPROXIMATE)}."
+        )
+    global_rope, local_rope = _ropes(full)
+    base = base_config_from_hf(
+        full, rope=global_rope, tie_word_embeddings=bool(full["tie_word_embeddings"])
+    )
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+    return Gemma3Config(
+        **{**fields, "hf": dict(hf)},  # config.json as read (export writes it back)
+        local_rope=local_rope,
+        layer_types=_layer_types(full),
+        sliding_window=full["sliding_window"],
+        query_pre_attn_scalar=float(full["query_pre_attn_scalar"]),
+        gelu_approximate=GELU_APPROXIMATE[act],
+    )
+
+
+def _ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE: `rope_parameters` by layer type (transformers 5), or 4.x's
+    `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq` (local, unscaled)."""
+    params = hf.get("rope_parameters") or {}
+    common = {"max_position_embeddings": hf.get("max_position_embeddings")}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": GLOBAL_THETA, **(params.get("full_attention") or {})}
+        local = {"rope_theta": LOCAL_THETA, **(params.get("sliding_attention") or {})}
+        return (
+            RopeConfig.from_hf({**common, "rope_parameters": full}),
+            RopeConfig.from_hf({**common, "rope_parameters": local}),
+        )
+    flat = {**common, "rope_theta": hf.get("rope_theta", GLOBAL_THETA)}
+    flat.update(rope_scaling=hf.get("rope_scaling"), rope_parameters=params or None)
+    local_theta = hf.get("rope_local_base_freq", LOCAL_THETA)
+    return RopeConfig.from_hf(flat), RopeConfig(theta=float(local_theta))
+
+
+def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
+    """`layer_types`, or every `sliding_window_pattern`-th layer full (older configs)."""
+    L = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
+    pattern = pattern or SLIDING_WINDOW_PATTERN
+    default = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(L)
+    ]
+    types = hf.get("layer_types") or default
+    if len(types) != L or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"config.json: layer_types must list {L} entries (num_hidden_layers), each "
+            f"'full_attention' or 'sliding_attention'; got {types}."
+        )
+    return tuple(types)
+
+
+class Gemma3RMSNorm(nn.Module):
+    """RMSNorm with the weight stored as an offset from 1 (zeros init), scaled in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(Attention):
+    """GQA with per-head q/k norms and the query_pre_attn_scalar**-0.5 scale."""
+
+    def __init__(self, cfg: Gemma3Config, window: int | None) -> None:
+        super().__init__(cfg, window)
+        self.q_norm = Gemma3RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = Gemma3RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.query_pre_attn_scalar**-0.5
+
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
+        q_THD, k_TGD = self.q_norm(q_THD), self.k_norm(k_TGD)
+        q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
+        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
+        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
+
+    @torch.compiler.disable
+    def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
+        # `self.window` read here, outside regional compile's graph: read in `forward` it is
+        # a guard (4 vs None), and sliding and full layers each compiled their own graphs
+        # (x2 grad mode under offload, x2 layer 0's frozen input: 8, dynamo's recompile limit).
+        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=self.scale)
+
+
+class GeGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.approximate = approximate
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_TF = F.gelu(self.gate_proj(x_TD), approximate=self.approximate)
+        return self.down_proj(gate_TF * self.up_proj(x_TD))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich norms: x + post_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+
+    def __init__(self, cfg: Gemma3Config, window: int | None) -> None:
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = Gemma3RMSNorm(D, eps)
+        self.self_attn = Gemma3Attention(cfg, window)
+        self.post_attention_layernorm = Gemma3RMSNorm(D, eps)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(D, eps)
+        self.mlp = GeGLU(D, cfg.intermediate_size, cfg.gelu_approximate)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(D, eps)
+
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+        attn_TD = self.self_attn(self.input_layernorm(x_TD), seq, cos_sin)
+        x_TD = x_TD + self.post_attention_layernorm(attn_TD)
+        mlp_TD = self.mlp(self.pre_feedforward_layernorm(x_TD))
+        return x_TD + self.post_feedforward_layernorm(mlp_TD)
+
+
+class Gemma3Backbone(Backbone):
+    """Scaled embeddings, the layers, the final norm; a global and a local RoPE."""
+
+    def __init__(self, cfg: Gemma3Config, layers: list[nn.Module]) -> None:
+        super().__init__(cfg, layers)  # the global RoPE is the inherited `inv_freq`
+        self.norm = Gemma3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.local_rope = cfg.local_rope
+        local_inv_freq, self.local_rope_scale = rope_inv_freq(cfg.local_rope, cfg.head_dim)
+        self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
+        self.sliding = [t == "sliding_attention" for t in cfg.layer_types]
+        # sqrt(D) as the embedding dtype holds it (transformers multiplies by a tensor of
+        # that dtype), looked up by dtype in forward: rounding there would be a host read.
+        root = cfg.hidden_size**0.5
+        self.embed_scale = {
+            dt: torch.tensor(root, dtype=torch.float32, device="cpu").to(dt).item()
+            for dt in (torch.float32, torch.bfloat16, torch.float16)
+        }
+
+    def reset_rope(self) -> None:
+        super().reset_rope()
+        local_inv_freq, self.local_rope_scale = rope_inv_freq(self.local_rope, self.head_dim)
+        self.local_inv_freq.copy_(local_inv_freq)
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        x_TD = self.embed_tokens(input_ids_T)
+        x_TD = x_TD * self.embed_scale.get(x_TD.dtype, self.embed_scale[torch.float32])
+        # Each RoPE built once per forward, shared by every layer of its type.
+        pos_T = seq.position_ids
+        full = rope_cos_sin(pos_T, self.inv_freq, self.rope_scale, x_TD.dtype)
+        local = rope_cos_sin(pos_T, self.local_inv_freq, self.local_rope_scale, x_TD.dtype)
+        for layer, sliding in zip(self.layers, self.sliding, strict=True):
+            x_TD = layer(x_TD, seq, local if sliding else full)
+        return self.norm(x_TD)
+
+
+class Gemma3CausalLM(CausalLM):
+    def __init__(self, cfg: Gemma3Config, layers: list[nn.Module]) -> None:
+        super().__init__(cfg, layers)
+        # Replaces the plain Backbone the parent built (free on the meta device, where
+        # load_model builds); the layers are the same modules.
+        self.model = Gemma3Backbone(cfg, layers)
+
+
+def build(cfg: Gemma3Config) -> CausalLM:
+    window = cfg.sliding_window
+    layers = [
+        Gemma3DecoderLayer(cfg, window if t == "sliding_attention" else None)
+        for t in cfg.layer_types
+    ]
+    return Gemma3CausalLM(cfg, layers)
