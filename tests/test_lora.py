@@ -199,3 +199,23 @@ def test_lora_linear_forward_backward_is_sync_free():
         layer(x).square().mean().backward()
     assert c.total == 0, str(c)
     assert layer.lora_A.weight.grad is not None and x.grad is not None
+
+
+def test_default_targets_are_the_fused_projections_on_phi3(tmp_path):
+    """apply_lora's default (no targets) on Phi-3 wraps its fused qkv_proj / gate_up_proj,
+    and peft, given the adapter, targets the same modules of the transformers model."""
+    from helpers.models import make_hf_model
+
+    import slipstream
+
+    hf = make_hf_model("phi3")
+    hf.save_pretrained(tmp_path / "base")
+    model = slipstream.load_model(tmp_path / "base")
+    apply_lora(model)
+    wrapped = {name.rsplit(".", 1)[-1] for name in lora_modules(model)}
+    assert wrapped == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    save_adapter(model, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter")
+    assert len([n for n, _ in peft_model.named_modules() if n.endswith("qkv_proj.lora_A")]) == 2

@@ -294,6 +294,26 @@ def test_tied_embeddings_and_biases_stay_full_precision(tmp_path):
 
 
 @needs_bnb
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_every_decoder_projection_is_nf4_in_biased_and_fused_families(tmp_path, family):
+    """Qwen2's q/k/v biases stay float32 beside NF4 weights; Phi-3's fused qkv_proj and
+    gate_up_proj are quantised like the split projections of other families."""
+    make_hf_model(family, **TINY).save_pretrained(tmp_path)
+    ours = slipstream.load_model(tmp_path, quantize="nf4")
+    ref = slipstream.load_model(tmp_path)
+    plain = [n for n, m in ours.model.layers.named_modules() if type(m) is torch.nn.Linear]
+    assert plain == []
+    if family == "qwen2":
+        q = ours.model.layers[0].self_attn.q_proj
+        torch.testing.assert_close(q.bias, ref.model.layers[0].self_attn.q_proj.bias)
+    with torch.no_grad():
+        seq = SeqInfo.from_lengths(LENGTHS)
+        got, want = ours(_ids(), seq), ref(_ids(), seq)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 1e-3 < rel < 0.2, rel
+
+
+@needs_bnb
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_nf4_bf16_close_to_float32_and_to_prequantized(fp_dir, hf_nf4):

@@ -43,6 +43,7 @@ from torch import nn
 from slipstream.checkpoint.atomic import atomic_write
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_DEFAULT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's names
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -143,14 +144,18 @@ def apply_lora(
     rank: int = 16,
     alpha: float = 32,
     dropout: float = 0.0,
-    targets: str | Iterable[str] = DEFAULT_TARGETS,
+    targets: str | Iterable[str] | None = None,
     use_rslora: bool = False,
 ) -> nn.Module:
     """Wrap the targeted linear layers (and MoE experts) in LoRA and freeze everything else.
 
     targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head,
-    and on a MoE model the experts' `gate_up_proj` and `down_proj`).
+    and on a MoE model the experts' `gate_up_proj` and `down_proj`); None: the attention and
+    MLP projections (DEFAULT_TARGETS, or FUSED_DEFAULT_TARGETS on a fused-projection model).
     """
+    if targets is None:
+        fused = "qkv_proj" in _linear_names(model)
+        targets = FUSED_DEFAULT_TARGETS if fused else DEFAULT_TARGETS
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
     if not (isinstance(rank, int) and rank > 0):

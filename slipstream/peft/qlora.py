@@ -24,7 +24,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
-NF4_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder's projections, Phi-3's fused qkv_proj/gate_up_proj included.
+NF4_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
+    "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+)  # fmt: skip
 BLOCKSIZE = 64
 INSTALL_HINT = "pip install 'slipstream[qlora]' (or: pip install bitsandbytes)"
 # Companions of a packed `<module>.weight` in a bitsandbytes checkpoint.
