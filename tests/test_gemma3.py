@@ -261,3 +261,18 @@ def test_multimodal_checkpoint_is_refused_with_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="only gemma3_text.*Gemma3ForCausalLM") as e:
         slipstream.load_model(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_published_1b_shapes_build_as_transformers():
+    """Gemma-3-1B's config.json (4.x form) builds, on the meta device, the parameters
+    transformers builds from it: same names, same shapes, no lm_head (tied)."""
+    import transformers
+
+    kwargs = {k: v for k, v in GEMMA3_1B_V4.items() if k != "model_type"}
+    with torch.device("meta"):
+        ref = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kwargs))
+        ours = gemma3.build(gemma3.config_from_hf(GEMMA3_1B_V4))
+    expected = {n: p.shape for n, p in ref.named_parameters() if n != "lm_head.weight"}
+    assert {n: p.shape for n, p in ours.named_parameters()} == expected
+    windows = [layer.self_attn.window for layer in ours.model.layers]
+    assert windows == [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
