@@ -180,6 +180,8 @@ def test_lora_training_step_has_no_host_syncs(lora_pair):
         dict(use_sliding_window=True, sliding_window=4, max_window_layers=2),
         dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
         dict(use_sliding_window=False, sliding_window=4, max_window_layers=0),
+        dict(sliding_window=4, max_window_layers=0),  # no use_sliding_window key: false
+        dict(sliding_window=4, layer_types=["sliding_attention"] * 3),
         dict(
             use_sliding_window=True,
             sliding_window=4,
@@ -187,16 +189,19 @@ def test_lora_training_step_has_no_host_syncs(lora_pair):
         ),
     ],
 )
-def test_qwen2_layer_windows_follow_transformers(overrides):
-    """A config.json as transformers 4 wrote it (no layer_types) or as 5 writes it."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_layer_windows_follow_transformers(overrides, family):
+    """A config.json as transformers 4 wrote it (no layer_types) or as 5 writes it; Qwen3's
+    rule is Qwen2's (a config without use_sliding_window has no windows)."""
     import transformers
 
-    from slipstream.models import qwen2
+    from slipstream.models import family_for
 
-    raw = {**LLAMA_BASE, "num_hidden_layers": 3, "model_type": "qwen2", **overrides}
-    ref = transformers.Qwen2Config(**raw)
+    raw = {**LLAMA_BASE, "num_hidden_layers": 3, "model_type": family, **overrides}
+    ref = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family](**raw)
     expected = [ref.sliding_window if t == "sliding_attention" else None for t in ref.layer_types]
-    assert qwen2.layer_windows(qwen2.config_from_hf(raw)) == expected
+    module = family_for(family)
+    assert module.layer_windows(module.config_from_hf(raw)) == expected
 
 
 @pytest.mark.parametrize("lengths", [[3, 8, 5], [12, 9]], ids=["all-short", "all-long"])

@@ -1,5 +1,5 @@
 """Qwen3 family (Qwen3ForCausalLM): the Llama decoder plus a per-head RMSNorm on q and k
-before RoPE, and optional sliding-window layers named by `layer_types`.
+before RoPE, and optional sliding-window layers, chosen as for Qwen2 (`qwen2.layer_windows`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from slipstream.models.common import (
     SwiGLU,
     base_config_from_hf,
 )
+from slipstream.models.qwen2 import layer_windows  # transformers reads Qwen3's windows alike
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    return base_config_from_hf(hf)
+    cfg = base_config_from_hf(hf)
+    layer_windows(cfg)  # a malformed layer_types fails at load, not at build
+    return cfg
 
 
 class Qwen3Attention(Attention):
@@ -34,16 +37,6 @@ class Qwen3Attention(Attention):
     def project_qkv(self, x_TD: torch.Tensor):
         q_THD, k_TGD, v_TGD = super().project_qkv(x_TD)
         return self.q_norm(q_THD), self.k_norm(k_TGD), v_TGD
-
-
-def layer_windows(cfg: ModelConfig) -> list[int | None]:
-    """Per-layer attention window: `sliding_window` where `layer_types` says so, else None."""
-    hf = cfg.hf
-    types = hf.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers
-    use_window = hf.get("use_sliding_window", True) and hf.get("sliding_window")
-    return [
-        hf["sliding_window"] if use_window and t == "sliding_attention" else None for t in types
-    ]
 
 
 def build(cfg: ModelConfig) -> CausalLM:
