@@ -76,6 +76,7 @@ class LoraSection(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     targets: str | list[str] = "all-linear"
     use_rslora: bool = False
+    use_dora: bool = False  # DoRA: a trained magnitude per output row (slipstream/peft/dora.py)
 
 
 class TrainSection(_Section):

@@ -8,6 +8,8 @@ here. Shapes: A is (rank, in_features), B is (out_features, rank);
 y = base(x) + scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for
 rsLoRA). The base can be any module with `in_features`, `out_features` and a `weight`
 (e.g. a bitsandbytes `Linear4bit` for QLoRA); it is never modified until `merge_lora`.
+`use_dora=True` wraps with `DoRALinear` instead (peft/dora.py): a trained magnitude per output
+row, saved as PEFT's `lora_magnitude_vector`.
 
 MoE models (qwen3_moe, gpt_oss): the same functions also put LoRA on the stacked experts
 (`slipstream.peft.lora_experts`, saved as PEFT's `target_parameters`). "all-linear" takes every
@@ -146,12 +148,14 @@ def apply_lora(
     dropout: float = 0.0,
     targets: str | Iterable[str] | None = None,
     use_rslora: bool = False,
+    use_dora: bool = False,
 ) -> nn.Module:
     """Wrap the targeted linear layers (and MoE experts) in LoRA and freeze everything else.
 
     targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head,
     and on a MoE model the experts' `gate_up_proj` and `down_proj`); None: the attention and
     MLP projections (DEFAULT_TARGETS, or FUSED_DEFAULT_TARGETS on a fused-projection model).
+    use_dora: DoRA's trained magnitude per output row on each wrapped linear (peft/dora.py).
     """
     if targets is None:
         fused = "qkv_proj" in _linear_names(model)
@@ -185,7 +189,7 @@ def apply_lora(
             f"lora dropout={dropout} is not supported on MoE experts (PEFT has no dropout on "
             "parameters); set lora dropout to 0 or target only linear layers (e.g. q_proj)"
         )
-    return _wrap(model, rank, alpha, dropout, linear, sorted(experts), use_rslora)
+    return _wrap(model, rank, alpha, dropout, linear, sorted(experts), use_rslora, use_dora)
 
 
 def _has_moe_blocks(model: nn.Module) -> bool:
@@ -206,25 +210,34 @@ def _wrap(
     linear: str | set[str],
     experts: list[str],
     use_rslora: bool,
+    use_dora: bool = False,
 ) -> nn.Module:
     """Wrap the named linears ("all-linear": all but lm_head) and expert parameters; record
     `model.lora_config` (PEFT's names) and leave only the LoRA factors trainable."""
+    if use_dora and experts:
+        raise ValueError(
+            f"DoRA on MoE experts {experts} is not supported (PEFT has none on parameters); "
+            "name linear layers as lora targets (e.g. q_proj, v_proj, o_proj) or drop use_dora"
+        )
+    wrapper = LoRALinear
+    if use_dora:
+        from slipstream.peft.dora import DoRALinear as wrapper
     linears = _linear_children(model)
     if linear == "all-linear":
         linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
     for _, parent, attr, module in linears:
         if attr in linear:
-            setattr(parent, attr, LoRALinear(module, rank, alpha, dropout, use_rslora))
+            setattr(parent, attr, wrapper(module, rank, alpha, dropout, use_rslora))
     model.requires_grad_(False)
-    for module in lora_modules(model).values():
-        module.lora_A.requires_grad_(True)
-        module.lora_B.requires_grad_(True)
+    for param in _adapter_tensors(model).values():
+        param.requires_grad_(True)
     model.lora_config = {
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
         "target_modules": sorted(linear),
         "use_rslora": use_rslora,
+        "use_dora": use_dora,
     }
     if experts:
         from slipstream.peft.lora_experts import wrap_experts
@@ -233,6 +246,18 @@ def _wrap(
             model, experts, rank, alpha, use_rslora
         )
     return model
+
+
+def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> parameter for the factors (and DoRA magnitudes) of the wrapped linears."""
+    found = {}
+    for name, module in lora_modules(model).items():
+        found[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight
+        found[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight
+        magnitude = getattr(module, "lora_magnitude_vector", None)
+        if magnitude is not None:
+            found[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = magnitude
+    return found
 
 
 def save_adapter(
@@ -247,11 +272,7 @@ def save_adapter(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create adapter dir {out}: {e.strerror}") from None
-    tensors = {}
-    for name, module in lora_modules(model).items():
-        for part in ("lora_A", "lora_B"):
-            weight = getattr(module, part).weight
-            tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"] = weight.detach().cpu().contiguous()
+    tensors = {k: p.detach().cpu().contiguous() for k, p in _adapter_tensors(model).items()}
     if cfg.get("target_parameters"):
         from slipstream.peft.lora_experts import expert_lora_tensors
 
@@ -276,7 +297,7 @@ def save_adapter(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "use_dora": False,
+        "use_dora": bool(cfg.get("use_dora", False)),
         "revision": None,
     }
     if cfg.get("target_parameters"):  # only then: older PEFT versions lack the key
@@ -302,7 +323,6 @@ def _read_adapter_config(path: Path) -> dict:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {cfg['peft_type']!r} is not supported; only LORA")
     unsupported = {
-        "use_dora": False,
         "bias": "none",
         "fan_in_fan_out": False,
         "rank_pattern": {},
@@ -327,6 +347,7 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     cfg = _read_adapter_config(src / ADAPTER_CONFIG)
     rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
     use_rslora = bool(cfg.get("use_rslora", False))
+    use_dora = bool(cfg.get("use_dora", False))
     experts = _expert_targets(cfg, src / ADAPTER_CONFIG, model)
     current = getattr(model, "lora_config", None)
     if current is None:
@@ -347,21 +368,20 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
                 f"{src / ADAPTER_CONFIG}: lora_dropout={dropout} with target_parameters is not "
                 "supported (PEFT has no dropout on parameters); set it to 0"
             )
-        _wrap(model, rank, alpha, dropout, linear, experts, use_rslora)
-    elif (current["r"], current["lora_alpha"], current["use_rslora"]) != (rank, alpha, use_rslora):
-        raise ValueError(
-            f"{src}: adapter has r={rank}, lora_alpha={alpha}, use_rslora={use_rslora} but the "
-            f"model's LoRA has r={current['r']}, lora_alpha={current['lora_alpha']}, "
-            f"use_rslora={current['use_rslora']}"
-        )
+        _wrap(model, rank, alpha, dropout, linear, experts, use_rslora, use_dora)
+    else:
+        have = (current["r"], current["lora_alpha"], current["use_rslora"], current.get("use_dora"))
+        if have != (rank, alpha, use_rslora, use_dora):
+            raise ValueError(
+                f"{src}: adapter has r={rank}, lora_alpha={alpha}, use_rslora={use_rslora}, "
+                f"use_dora={use_dora} but the model's LoRA has r={have[0]}, "
+                f"lora_alpha={have[1]}, use_rslora={have[2]}, use_dora={have[3]}"
+            )
     weights_path = src / ADAPTER_WEIGHTS
     if not weights_path.is_file():
         raise ValueError(f"{weights_path} not found: the adapter has no weights")
     tensors = load_file(weights_path)
-    expected = {}
-    for name, module in lora_modules(model).items():
-        for part in ("lora_A", "lora_B"):
-            expected[f"{_PEFT_PREFIX}{name}.{part}.weight"] = getattr(module, part).weight
+    expected = _adapter_tensors(model)
     expert_keys = set()
     if (getattr(model, "lora_config", None) or {}).get("target_parameters"):
         from slipstream.peft.lora_experts import expert_lora_keys, load_expert_lora_tensors

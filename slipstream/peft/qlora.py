@@ -286,6 +286,15 @@ def _complete(pieces: dict[str, torch.Tensor]) -> bool:
     return not nested or {"nested_absmax", "nested_quant_map"} <= pieces.keys()
 
 
+def dequantize_weight(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A Linear4bit's weight (out, in) dequantised, in `dtype` (default: its compute dtype)."""
+    bnb = require_bitsandbytes()
+    state = module.weight.quant_state
+    assert not getattr(state, "packing_format_for_cpu", False), "repacked CPU NF4 weight"
+    w = bnb.functional.dequantize_4bit(module.weight.data, state)
+    return w.to(dtype or module.compute_dtype or state.dtype)
+
+
 def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Replace every Linear4bit by an nn.Linear holding its dequantised weight, in place.
 
@@ -293,14 +302,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     float32 on CPU). For merged export; LoRA wrappers keep wrapping the new base layers.
     """
     bnb = require_bitsandbytes()
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for attr, child in list(module.named_children()):
             if not isinstance(child, bnb.nn.Linear4bit):
                 continue
-            state = child.weight.quant_state
-            assert not getattr(state, "packing_format_for_cpu", False), f"{name}.{attr}"
-            out_dtype = dtype or child.compute_dtype or state.dtype
-            w = bnb.functional.dequantize_4bit(child.weight.data, state).to(out_dtype)
+            w = dequantize_weight(child, dtype)
+            out_dtype = w.dtype
             linear = nn.Linear(
                 child.in_features,
                 child.out_features,

@@ -430,7 +430,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         lo = cfg.lora
         apply_lora(
             model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
-            use_rslora=lo.use_rslora,
+            use_rslora=lo.use_rslora, use_dora=lo.use_dora,
         )  # fmt: skip
     else:
         model.requires_grad_(True)
