@@ -158,9 +158,10 @@ class Gemma3Attention(Attention):
 
     @torch.compiler.disable
     def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
-        # `self.window` read here, outside regional compile's graph: read in `forward` it is
-        # a guard (4 vs None), and sliding and full layers each compiled their own graphs
-        # (x2 grad mode under offload, x2 layer 0's frozen input: 8, dynamo's recompile limit).
+        # `self.window` is read here, outside regional compile's graph. Read in `forward` it
+        # was a guard (512 vs None) and sliding and full layers compiled their own variants:
+        # 5 instead of 3 under LoRA + offload (grad mode x layer 0's frozen input), which
+        # hit dynamo's recompile limit (8) once a batch length recompiled them too.
         return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=self.scale)
 
 
