@@ -70,3 +70,27 @@ def test_trainer_compile_option_keeps_the_losses(tiny_run, tmp_path):
         outs[flag], graphs[flag] = losses(tmp_path / str(flag)), compiled_graphs() - before
     assert graphs[False] == 0 and graphs[True] > 0  # the option did compile the blocks
     assert outs[True] == pytest.approx(outs[False], abs=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_sliding_and_full_layers_share_the_compiled_attention(family):
+    """The window is read outside the compiled graph: alternating sliding/full layers compile
+    no more graphs than a model whose layers all attend fully (before: one variant each)."""
+    graphs = {}
+    for windowed in (False, True):
+        torch._dynamo.reset()
+        types = ["sliding_attention", "full_attention"] * 2 if windowed else ["full_attention"] * 4
+        if family == "qwen3":
+            hf = make_hf_model(family, num_hidden_layers=4, use_sliding_window=True,
+                               sliding_window=4, layer_types=types)  # fmt: skip
+        else:
+            hf = make_hf_moe_model(family, num_hidden_layers=4, sliding_window=4, layer_types=types)
+        model = ours_from_hf(hf)
+        windows = {layer.self_attn.window for layer in model.model.layers}
+        assert windows == ({4, None} if windowed else {None})
+        slipstream.apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj"])
+        regional.apply_compile(model)
+        before = compiled_graphs()
+        _grads(model, [9, 5], seed=0)
+        graphs[windowed] = compiled_graphs() - before
+    assert graphs[True] == graphs[False] > 0

@@ -158,10 +158,9 @@ class Gemma3Attention(Attention):
 
     @torch.compiler.disable
     def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
-        # `self.window` is read here, outside regional compile's graph. Read in `forward` it
-        # was a guard (512 vs None) and sliding and full layers compiled their own variants:
-        # 5 instead of 3 under LoRA + offload (grad mode x layer 0's frozen input), which
-        # hit dynamo's recompile limit (8) once a batch length recompiled them too.
+        # Measured before the window moved out of `forward` (models/common.py): 5 compiled
+        # variants instead of 3 under LoRA + offload, at dynamo's limit of 8 once a batch
+        # length recompiled them too.
         return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=self.scale)
 
 

@@ -103,8 +103,12 @@ class GptOssAttention(Attention):
     def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
         q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
         q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
-        o_THD = attend(q_THD, k_TGD, v_TGD, seq, window=self.window, sinks=self.sinks)
+        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
         return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
+
+    @torch.compiler.disable
+    def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
+        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, sinks=self.sinks)
 
 
 class GptOssExperts(nn.Module):

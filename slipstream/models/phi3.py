@@ -38,7 +38,6 @@ from slipstream.models.common import (
     base_config_from_hf,
 )
 from slipstream.models.rope import apply_rope, rope_cos_sin
-from slipstream.ops.attention import attend
 from slipstream.ops.packing import SeqInfo
 
 LONGROPE_NAMES = ("longrope", "su", "yarn")  # transformers maps the legacy names to longrope
@@ -143,7 +142,7 @@ class Phi3Attention(Attention):
     def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
         q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
         q_THD, k_TGD = apply_partial_rope(q_THD, cos_sin), apply_partial_rope(k_TGD, cos_sin)
-        o_THD = attend(q_THD, k_TGD, v_TGD, seq, window=self.window)
+        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
         return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
 
 
