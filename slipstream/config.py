@@ -77,6 +77,7 @@ class LoraSection(_Section):
     targets: str | list[str] = "all-linear"
     use_rslora: bool = False
     use_dora: bool = False  # DoRA: a trained magnitude per output row (slipstream/peft/dora.py)
+    plus_ratio: float | None = Field(None, gt=0)  # LoRA+: B factors at this multiple of the lr
 
 
 class TrainSection(_Section):

@@ -111,6 +111,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
         weight_decay=t.weight_decay,
         device=device,
         kind=t.optimizer,
+        lora_plus_ratio=cfg.lora.plus_ratio if cfg.lora.method == "lora" else None,
     )
     epochs = t.epochs if t.epochs is not None else 1.0
     per_step = t.grad_accum * world  # micro-batches in one optimizer step, all ranks together

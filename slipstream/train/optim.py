@@ -1,15 +1,20 @@
 """AdamW over the trainable parameters and the learning-rate schedule.
 
 AdamW is fused on CUDA (one kernel for the whole update instead of a few per parameter) and
-uses the foreach implementation elsewhere. `adamw_8bit` is bitsandbytes' block-wise 8-bit
-AdamW: both moments in uint8 with a float32 scale per 256-value block, 2 bytes a parameter
-instead of 8 (float32 states) or 4 (bf16 states), which is what full fine-tuning on one GPU
-runs out of first (Llama-3-8B: 16 GB of states instead of 32 in bf16). Tensors under 4,096
-values keep 32-bit states (bitsandbytes' default), so LoRA factors of small rank barely
-change. Weight decay applies to matrices only: norms and
+uses the foreach implementation elsewhere. Weight decay applies to matrices only: norms and
 biases (1-D parameters) are not decayed. The schedule is linear warmup from 0 to the peak
 learning rate, then linear or cosine decay to 0 (or constant), as a `LambdaLR` so its state
 is a single step counter that a checkpoint restores exactly.
+
+`adamw_8bit` is bitsandbytes' block-wise 8-bit AdamW: both moments in uint8 with a float32
+scale per 256-value block, 2 bytes a parameter instead of 8 (float32 states) or 4 (bf16
+states), which is what full fine-tuning on one GPU runs out of first (Llama-3-8B: 16 GB of
+states instead of 32 in bf16). Tensors under 4,096 values keep 32-bit states (bitsandbytes'
+default), so LoRA factors of small rank barely change.
+
+`lora_plus_ratio` (LoRA+, Hayou et al. 2024) gives the LoRA B factors that multiple of the
+learning rate: B starts at zero and, at one shared lr, learns too slowly for A's scale (the
+paper suggests 16; peft's `loraplus_lr_ratio`).
 """
 
 from __future__ import annotations
@@ -28,16 +33,26 @@ def build_optimizer(
     device: torch.device,
     betas: tuple[float, float] = (0.9, 0.999),
     kind: str = "adamw",
+    lora_plus_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (`kind`: adamw | adamw_8bit) over the parameters that require grad; no decay on
-    1-D parameters."""
-    decay, no_decay = [], []
-    for _, p in named_params:
-        if p.requires_grad:
+    1-D parameters; LoRA B factors at `lora_plus_ratio` x lr when given. The first group is
+    the one at `lr` (the trainer logs its rate)."""
+    decay, no_decay, lora_b = [], [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        if lora_plus_ratio is not None and name.endswith("lora_B.weight"):
+            lora_b.append(p)
+        else:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    if not decay and not no_decay:
+    if not decay and not no_decay and not lora_b:
         raise ValueError("nothing to train: no parameter requires grad (check lora.targets)")
+    if lora_plus_ratio is not None and not lora_b:
+        raise ValueError("lora.plus_ratio is set but the model has no LoRA B factors to speed up")
     groups = [{"params": decay, "weight_decay": weight_decay}]
+    if lora_b:
+        groups.append({"params": lora_b, "weight_decay": weight_decay, "lr": lr * lora_plus_ratio})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if kind == "adamw_8bit":
