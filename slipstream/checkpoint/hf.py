@@ -4,6 +4,12 @@ Loading streams tensors shard by shard straight into a model allocated once in t
 dtype on the target device (built on the meta device first), so a 16 GB checkpoint never
 costs 32 GB: one tensor at a time is in flight. Saving writes the HF layout (config.json,
 model.safetensors, sharded with an index above 5 GB) atomically: temp files, then renames.
+
+Families whose checkpoints hold the model under other names (the text model of a multimodal
+Gemma 3: `hf_layouts`, `is_passthrough` in models/__init__.py) are renamed at this boundary
+only: loading maps their names to ours and leaves the tensors that are not ours (the vision
+tower) in the checkpoint; saving writes ours under the names the source checkpoint used and
+copies the others from it (`model.checkpoint_path`, recorded by `load_model`).
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
-from slipstream.models import family_for
+from slipstream.models import FAMILIES, family_for
 from slipstream.models.common import CausalLM
 
 SHARD_BYTES = 5 * 1024**3
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# ((our prefix, the checkpoint's prefix), ...): where a checkpoint holds our modules.
+Layout = tuple[tuple[str, str], ...]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -84,18 +92,56 @@ def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
     raise ValueError(f"{path} does not exist (neither a local folder nor a hub repo id).")
 
 
-def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_files(folder: Path) -> list[str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json found.")
-    for name in files:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json found.")
+
+
+def _safetensors_tensors(
+    folder: Path, only: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time (or those named in `only`)."""
+    for name in _safetensors_files(folder):
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, f.get_tensor(key)
+                if only is None or key in only:
+                    yield key, f.get_tensor(key)
+
+
+def _safetensors_names(folder: Path) -> list[str]:
+    names = []
+    for name in _safetensors_files(folder):
+        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def hf_layouts(cfg) -> tuple[Layout, ...]:
+    """The layouts a family's checkpoints hold our modules in, transformers' module tree
+    first; () when the names are ours."""
+    model_type = getattr(cfg, "model_type", None)
+    hook = getattr(family_for(model_type), "hf_layouts", None) if model_type in FAMILIES else None
+    return hook(cfg) if hook is not None else ()
+
+
+def to_hf_name(name: str, layout: Layout) -> str:
+    for ours, theirs in layout:
+        if name.startswith(ours):
+            return theirs + name[len(ours) :]
+    return name
+
+
+def from_hf_name(name: str, layouts: tuple[Layout, ...]) -> str | None:
+    """Our name for a checkpoint name in any of `layouts`; None when it is none of ours."""
+    for layout in layouts:
+        for ours, theirs in layout:
+            if name.startswith(theirs):
+                return ours + name[len(theirs) :]
+    return None
 
 
 @contextmanager
@@ -126,9 +172,15 @@ def _load(
     model.model.reset_rope()
     params = dict(model.named_parameters())
     custom = getattr(family, "load_tensor", None)
+    layouts = hf_layouts(cfg)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
+            if layouts:
+                ours = from_hf_name(name, layouts)
+                if ours is None and family.is_passthrough(cfg, name):
+                    continue  # never held by our model: save/export copy it from the source
+                name = ours or name
             if nf4 is not None and nf4.take(name, tensor):
                 continue
             if custom is not None and custom(model, name, tensor):
@@ -148,6 +200,7 @@ def _load(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
+    model.checkpoint_path = Path(source)  # where save_model finds the tensors it passes through
     return model
 
 
@@ -168,14 +221,44 @@ def _expected_names(model: nn.Module, family) -> list[str]:
 
 
 def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs in the on-disk layout."""
+    """(HF name, tensor) pairs in the on-disk layout; a multimodal checkpoint's other tensors
+    (vision tower, projector) read from the source checkpoint, unchanged."""
     family = family_for(model.config.model_type)
     custom = getattr(family, "hf_tensors", None)
     if custom is not None:
-        yield from custom(model)
+        state = custom(model)
+    else:
+        state = ((name, p.detach()) for name, p in model.named_parameters())
+    layouts = hf_layouts(model.config)
+    if not layouts:
+        yield from state
         return
-    for name, p in model.named_parameters():
-        yield name, p.detach()
+    folder, names = _source_names(model)
+    # The source's layout (ties: the last, transformers' save layout).
+    counts = [sum(from_hf_name(n, (lay,)) is not None for n in names) for lay in layouts]
+    layout = layouts[max(reversed(range(len(layouts))), key=counts.__getitem__)]
+    for name, t in state:
+        yield to_hf_name(name, layout), t
+    others = {n for n in names if family.is_passthrough(model.config, n)}
+    yield from _safetensors_tensors(folder, only=others)
+
+
+def _source_names(model: CausalLM) -> tuple[Path, list[str]]:
+    """The source checkpoint's folder and tensor names, for the tensors save passes through."""
+    kind = model.config.model_type
+    folder = getattr(model, "checkpoint_path", None)
+    if folder is None:
+        raise ValueError(
+            f"save_model: a {kind} checkpoint holds tensors this model does not (the vision "
+            "tower), copied from the checkpoint it was loaded from; load it with load_model()."
+        )
+    try:
+        return folder, _safetensors_names(folder)
+    except (ValueError, OSError):
+        raise ValueError(
+            f"save_model: the {kind} checkpoint this model was loaded from ({folder}) is gone; "
+            "its vision tower and projector are copied from there: restore it, then save."
+        ) from None
 
 
 def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:

@@ -3,6 +3,10 @@
 A family module provides `config_from_hf(hf) -> ModelConfig` and `build(cfg) -> CausalLM`,
 and, when its weights are not stored under our parameter names (stacked MoE experts),
 `load_tensor(model, name, tensor) -> bool` and `hf_tensors(model) -> iterator of (name, t)`.
+When a checkpoint holds the model under other names (the text model of a multimodal one):
+`hf_layouts(cfg)` -> the layouts it may use, each ((our prefix, its prefix), ...), transformers'
+module tree first (peft's adapter keys follow it); and `is_passthrough(cfg, name)` for its
+tensors that are not ours (a vision tower): skipped at load, copied from the source at save.
 """
 
 from __future__ import annotations
@@ -20,13 +24,10 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "qwen3_moe",
     "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # Gemma3ForConditionalGeneration: its text model
 }
 # model_types refused with what to do instead of the list above.
-REFUSED: dict[str, str] = {
-    "gemma3": "Gemma3ForConditionalGeneration (image+text) is not supported, only gemma3_text; "
-    "export its text model: transformers' Gemma3ForCausalLM(config.text_config), load "
-    "model.language_model's state_dict into its .model, save_pretrained.",
-}
+REFUSED: dict[str, str] = {}
 
 
 def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:

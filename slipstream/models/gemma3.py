@@ -1,5 +1,5 @@
-"""Gemma 3 family, text only (Gemma3ForCausalLM, `model_type: gemma3_text`): Gemma-3-270M and
-1B, and text-only exports of the larger ones.
+"""Gemma 3 family: Gemma3ForCausalLM (`model_type: gemma3_text`: Gemma-3-270M and 1B) and the
+language model of Gemma3ForConditionalGeneration (`model_type: gemma3`: 4B, 12B, 27B).
 
 What differs from the Llama decoder:
 - the embeddings are multiplied by sqrt(hidden_size), rounded to the embedding dtype first as
@@ -14,6 +14,12 @@ What differs from the Llama decoder:
   on 4B+). `Gemma3Backbone` builds both cos/sin pairs once per forward; each layer is called
   with its own type's pair, so a layer is still `layer(x_TD, seq, cos_sin)`.
 Weights load by name (HF names throughout).
+
+Multimodal checkpoints (`gemma3`): the model is the same text model, built from `text_config`;
+only names differ at the checkpoint boundary. Transformers holds it under
+`model.language_model.*` (+ `lm_head`), its checkpoints under `language_model.model.*`
+(`hf_layouts`); the SigLIP tower and the projector are never loaded (`is_passthrough`): save
+and export copy them from the source checkpoint, and `config.json` is written back whole.
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, F mlp width.
 """
@@ -57,7 +63,63 @@ class Gemma3Config(ModelConfig):
     gelu_approximate: str = "tanh"
 
 
+# Gemma3TextConfig's defaults for the rest: a multimodal config.json's text_config lists only
+# what differs from them (the published 4B one: hidden_size, intermediate_size, layers, RoPE
+# scaling, window).
+TEXT_CONFIG_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131_072,
+}
+# Where Gemma3ForConditionalGeneration holds our modules (our prefix -> theirs): first
+# transformers' module tree, which peft's adapter keys follow; then the layout its
+# save_pretrained writes and the published checkpoints use. Either loads.
+MULTIMODAL_LAYOUTS = (
+    (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+    (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+)
+# Its tensors that are not ours, in either layout: the SigLIP tower and the projector.
+MULTIMODAL_PASSTHROUGH = (
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "vision_tower.",
+    "multi_modal_projector.",
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
+    """The text model's config; from `text_config` for a multimodal (`gemma3`) config.json,
+    whose `hf` is kept whole (export writes it back)."""
+    if hf.get("model_type") != "gemma3":
+        return _text_config_from_hf(hf)
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(
+            "config.json: model_type 'gemma3' needs a text_config (the language model's "
+            "config); re-save the checkpoint with transformers."
+        )
+    # Transformers ties the LM head by the top-level flag on this model (default true).
+    tie = hf.get("tie_word_embeddings", True)
+    text = {**TEXT_CONFIG_DEFAULTS, **text, "model_type": "gemma3_text"}
+    cfg = _text_config_from_hf({**text, "tie_word_embeddings": tie})
+    return dataclasses.replace(cfg, model_type="gemma3", hf=dict(hf))
+
+
+def hf_layouts(cfg: Gemma3Config) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Our name prefixes -> transformers' (module tree first); () when they are the same."""
+    return MULTIMODAL_LAYOUTS if cfg.model_type == "gemma3" else ()
+
+
+def is_passthrough(cfg: Gemma3Config, name: str) -> bool:
+    """A checkpoint tensor (or module path) outside the text model: the vision side."""
+    return cfg.model_type == "gemma3" and name.startswith(MULTIMODAL_PASSTHROUGH)
+
+
+def _text_config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key) is not None:
             raise ValueError(

@@ -26,6 +26,13 @@ never move. Forward casts the factors (rank/features of the base weight's size) 
 activation dtype, so the two matmuls still run in bf16. `save_adapter` writes the float32
 factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter dtype);
 `merge_lora` adds the delta in float32 and rounds once to the base dtype.
+
+Adapter keys and `target_modules` name modules as transformers does. Where its module tree
+differs from ours (the text model of a multimodal Gemma 3 sits at `model.language_model.*`;
+the family's `hf_layouts`), the keys use its paths and `target_modules` is a regex that peft
+full-matches on exactly the wrapped modules, so peft does not also wrap same-named modules
+outside our model (the vision tower's q/k/v_proj). Adapters with regex `target_modules` load
+here by the same rule: the regex is matched on transformers' path of each of our linears.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -202,18 +210,34 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, *_ in _linear_children(model)}
 
 
+def _hf_layout(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """Our prefix -> transformers' module path prefix, where they differ (multimodal Gemma 3)."""
+    from slipstream.checkpoint.hf import hf_layouts
+
+    layouts = hf_layouts(getattr(model, "config", None))
+    return layouts[0] if layouts else ()
+
+
+def _peft_path(name: str, layout: tuple[tuple[str, str], ...]) -> str:
+    """Transformers' module path for our module `name` (the path peft's keys and targets use)."""
+    from slipstream.checkpoint.hf import to_hf_name
+
+    return to_hf_name(name, layout)
+
+
 def _wrap(
     model: nn.Module,
     rank: int,
     alpha: float,
     dropout: float,
-    linear: str | set[str],
+    linear: str | set[str] | re.Pattern,
     experts: list[str],
     use_rslora: bool,
     use_dora: bool = False,
 ) -> nn.Module:
-    """Wrap the named linears ("all-linear": all but lm_head) and expert parameters; record
-    `model.lora_config` (PEFT's names) and leave only the LoRA factors trainable."""
+    """Wrap the named linears ("all-linear": all but lm_head; a regex: those whose transformers
+    path it full-matches, as peft) and expert parameters; record `model.lora_config` (PEFT's
+    names) and leave only the LoRA factors trainable."""
     if use_dora and experts:
         raise ValueError(
             f"DoRA on MoE experts {experts} is not supported (PEFT has none on parameters); "
@@ -225,6 +249,16 @@ def _wrap(
     linears = _linear_children(model)
     if linear == "all-linear":
         linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
+    if isinstance(linear, re.Pattern):
+        layout = _hf_layout(model)
+        matched = [c for c in linears if linear.fullmatch(_peft_path(c[0], layout))]
+        if not matched:
+            example = _peft_path(linears[0][0], layout) if linears else "none"
+            raise ValueError(
+                f"lora target_modules regex {linear.pattern!r} matches no nn.Linear in the "
+                f"model (paths as transformers names them, e.g. {example!r})"
+            )
+        linears, linear = matched, {attr for _, _, attr, _ in matched}
     for _, parent, attr, module in linears:
         if attr in linear:
             setattr(parent, attr, wrapper(module, rank, alpha, dropout, use_rslora))
@@ -251,13 +285,44 @@ def _wrap(
 def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> parameter for the factors (and DoRA magnitudes) of the wrapped linears."""
     found = {}
+    layout = _hf_layout(model)
     for name, module in lora_modules(model).items():
-        found[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight
-        found[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight
+        key = _PEFT_PREFIX + _peft_path(name, layout)
+        found[f"{key}.lora_A.weight"] = module.lora_A.weight
+        found[f"{key}.lora_B.weight"] = module.lora_B.weight
         magnitude = getattr(module, "lora_magnitude_vector", None)
         if magnitude is not None:
-            found[f"{_PEFT_PREFIX}{name}.lora_magnitude_vector"] = magnitude
+            found[f"{key}.lora_magnitude_vector"] = magnitude
     return found
+
+
+def _saved_targets(model: nn.Module, names: list[str]) -> list[str] | str:
+    """`target_modules` for adapter_config.json: the short names, unless peft would wrap more
+    with them on transformers' model (a module tree that holds more than ours, or some
+    same-named linears left unwrapped); then a regex of exactly the wrapped paths."""
+    layout = _hf_layout(model)
+    left = [_peft_path(name, layout) for name, *_ in _linear_children(model)]
+    if not layout and not {p.rsplit(".", 1)[-1] for p in left} & set(names):
+        return names
+    wrapped = [_peft_path(n, layout) for n in lora_modules(model)]
+    regex = _paths_regex(wrapped)
+    if any(re.fullmatch(regex, p) for p in left):  # some layers were left out: list them all
+        regex = "|".join(re.escape(p) for p in wrapped)
+    return regex
+
+
+def _paths_regex(paths: Iterable[str]) -> str:
+    """A regex full-matching these module paths at any layer number: one alternative per
+    parent path, its last names grouped."""
+    groups: dict[str, set[str]] = {}
+    for path in paths:
+        parts = [r"\d+" if p.isdigit() else re.escape(p) for p in path.split(".")]
+        groups.setdefault(r"\.".join(parts[:-1]), set()).add(parts[-1])
+    alternatives = []
+    for parent, last in sorted(groups.items()):
+        tail = next(iter(last)) if len(last) == 1 else f"(?:{'|'.join(sorted(last))})"
+        alternatives.append(rf"{parent}\.{tail}" if parent else tail)
+    return "|".join(alternatives)
 
 
 def save_adapter(
@@ -286,7 +351,7 @@ def save_adapter(
         "r": cfg["r"],
         "lora_alpha": cfg["lora_alpha"],
         "lora_dropout": cfg["lora_dropout"],
-        "target_modules": cfg["target_modules"],
+        "target_modules": _saved_targets(model, cfg["target_modules"]),
         "use_rslora": cfg["use_rslora"],
         "bias": "none",
         "fan_in_fan_out": False,
@@ -336,7 +401,12 @@ def _read_adapter_config(path: Path) -> dict:
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (need {ok!r})")
     targets = cfg.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
-        raise ValueError(f"{path}: regex target_modules {targets!r} is not supported; list names")
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise ValueError(f"{path}: target_modules {targets!r} is no valid regex: {e}") from None
+    if cfg.get("exclude_modules"):
+        raise ValueError(f"{path}: exclude_modules={cfg['exclude_modules']!r} is not supported")
     return cfg
 
 
@@ -353,7 +423,9 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     if current is None:
         _check_hyper(rank, alpha, cfg.get("lora_dropout") or 0.0, src / ADAPTER_CONFIG)
         linear = cfg.get("target_modules") or []
-        if linear != "all-linear":
+        if isinstance(linear, str) and linear != "all-linear":
+            linear = re.compile(linear)
+        elif linear != "all-linear":
             present = _linear_names(model)
             missing = sorted(set(linear) - present)
             if missing:
@@ -389,7 +461,7 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
         expert_keys = expert_lora_keys(model)
     for key in tensors:
         if key not in expected and key not in expert_keys:
-            raise ValueError(f"{weights_path}: tensor {key} matches no LoRA module in the model")
+            _unexpected_key(model, key, weights_path)
     with torch.no_grad():
         for key, param in expected.items():
             if key not in tensors:
@@ -405,6 +477,21 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
             model, {k: tensors[k] for k in expert_keys & set(tensors)}, weights_path
         )
     return model
+
+
+def _unexpected_key(model: nn.Module, key: str, source: Path) -> None:
+    from slipstream.checkpoint.hf import hf_layouts
+    from slipstream.models import family_for
+
+    cfg = getattr(model, "config", None)
+    path = key.removeprefix(_PEFT_PREFIX)
+    if hf_layouts(cfg) and family_for(cfg.model_type).is_passthrough(cfg, path):
+        raise ValueError(
+            f"{source}: tensor {key} is LoRA on the vision side, which slipstream does not "
+            "train (only the language model); make the adapter with a target_modules regex "
+            r"that only matches the language model, e.g. 'model\.language_model\..*\.q_proj'"
+        )
+    raise ValueError(f"{source}: tensor {key} matches no LoRA module in the model")
 
 
 def _check_hyper(rank: Any, alpha: Any, dropout: Any, source: Path) -> None:
