@@ -156,6 +156,8 @@ def test_untied_checkpoint_in_transformers_module_names(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     hf.save_pretrained(src)
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, src / "model.safetensors")
+    processor = json.dumps({"image_processor_type": "Gemma3ImageProcessor", "size": 28})
+    (src / "preprocessor_config.json").write_text(processor)
     ours = slipstream.load_model(src)
     assert not ours.config.tie_word_embeddings
     torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight, atol=0, rtol=0)
@@ -165,15 +167,16 @@ def test_untied_checkpoint_in_transformers_module_names(tmp_path):
     torch.testing.assert_close(got, _per_sequence_logits(hf, ids, [13]), atol=1e-4, rtol=1e-4)
     slipstream.save_model(ours, out)
     assert set(_tensors(out)) == set(_tensors(src))
+    assert (out / "preprocessor_config.json").read_text() == processor
     back = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
     torch.testing.assert_close(_per_sequence_logits(back, ids, [13]), got, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("targets", [None, "all-linear"])
-def test_lora_adapter_loads_in_peft_on_the_multimodal_model(mm_dir, tmp_path, targets):
+@pytest.mark.parametrize("targets,dora", [(None, False), ("all-linear", False), (None, True)])
+def test_lora_adapter_loads_in_peft_on_the_multimodal_model(mm_dir, tmp_path, targets, dora):
     hf, path = mm_dir
     ours = slipstream.load_model(path)
-    slipstream.apply_lora(ours, rank=4, alpha=8, targets=targets)
+    slipstream.apply_lora(ours, rank=4, alpha=8, targets=targets, use_dora=dora)
     _randomise_lora_b(ours)
     slipstream.save_adapter(ours, tmp_path)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -259,6 +262,8 @@ def test_export_merged_is_a_multimodal_checkpoint(mm_dir, tmp_path):
     vision = [k for k in source if _is_vision(k)]
     assert len(vision) > 10 and set(exported) == set(source)
     assert all(torch.equal(exported[k], source[k]) for k in vision)
+    summary = json.loads((tmp_path / "export_summary.json").read_text())
+    assert summary["copied_from_source"]["tensors"] == len(vision)
     theirs = dict(back.named_parameters())
     for name, p in hf.named_parameters():
         if _is_vision(name):

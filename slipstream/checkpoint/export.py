@@ -3,6 +3,10 @@
 A QLoRA base is first dequantised (to the compute dtype: bf16 on GPU, float32 on CPU) and
 never re-quantised, so the merged model is a full-precision checkpoint that `transformers`
 loads unchanged. What was done is written beside it in `export_summary.json`.
+
+The text model of a multimodal checkpoint (Gemma 3 4B+) exports as that multimodal model:
+save_model copies the vision tower, the projector and the image processor's files from the
+source checkpoint; the summary says how many tensors came from where.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.checkpoint.atomic import atomic_write_text
-from slipstream.checkpoint.hf import save_model
+from slipstream.checkpoint.hf import passthrough_names, save_model
 from slipstream.models.common import CausalLM
 
 SUMMARY_FILE = "export_summary.json"
@@ -32,6 +36,7 @@ def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any 
     if merged:
         merge_lora(model)  # expert LoRA too
     out = save_model(model, directory)
+    copied = passthrough_names(model)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -46,5 +51,11 @@ def export_merged(model: CausalLM, directory: str | os.PathLike, tokenizer: Any 
             else f"LoRA delta added in float32, rounded once into the {dtype} base weights."
         ),
     }
+    if copied:
+        summary["copied_from_source"] = {
+            "checkpoint": str(model.checkpoint_path),
+            "tensors": len(copied),
+            "note": "not trained (vision tower, projector): copied unchanged",
+        }
     atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return out

@@ -30,6 +30,8 @@ from slipstream.models import FAMILIES, family_for
 from slipstream.models.common import CausalLM
 
 SHARD_BYTES = 5 * 1024**3
+# A multimodal checkpoint's image processor files, copied beside the tensors save passes through.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # ((our prefix, the checkpoint's prefix), ...): where a checkpoint holds our modules.
@@ -239,8 +241,17 @@ def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     layout = layouts[max(reversed(range(len(layouts))), key=counts.__getitem__)]
     for name, t in state:
         yield to_hf_name(name, layout), t
-    others = {n for n in names if family.is_passthrough(model.config, n)}
-    yield from _safetensors_tensors(folder, only=others)
+    yield from _safetensors_tensors(folder, only=set(passthrough_names(model, names)))
+
+
+def passthrough_names(model: CausalLM, names: list[str] | None = None) -> list[str]:
+    """The source checkpoint's tensors that save copies unchanged ([] for most families)."""
+    family = family_for(model.config.model_type)
+    if not hf_layouts(model.config):
+        return []
+    if names is None:
+        names = _source_names(model)[1]
+    return [n for n in names if family.is_passthrough(model.config, n)]
 
 
 def _source_names(model: CausalLM) -> tuple[Path, list[str]]:
@@ -295,6 +306,11 @@ def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
     hf = dict(model.config.hf)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     atomic_write_text(out / "config.json", json.dumps(hf, indent=2, sort_keys=True))
+    if hf_layouts(model.config):
+        for name in PROCESSOR_FILES:
+            src = Path(model.checkpoint_path) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                atomic_write_text(out / name, src.read_text())
     return out
 
 
