@@ -279,6 +279,22 @@ def test_save_without_the_source_checkpoint_is_a_one_line_error(mm_dir, tmp_path
     assert "\n" not in str(e.value)
 
 
+def test_export_from_a_4bit_vision_tower_is_a_one_line_error(mm_dir, tmp_path):
+    """A bitsandbytes checkpoint's packed vision weights cannot be copied into a
+    full-precision export: say where to export from instead."""
+    _, path = mm_dir
+    tensors = _tensors(path)
+    name = next(k for k in tensors if k.startswith("vision_tower.") and k.endswith(".weight"))
+    tensors[f"{name}.absmax"] = torch.ones(4)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(ValueError, match="4-bit.*--base ORIGINAL") as e:
+        slipstream.export_merged(slipstream.load_model(src), tmp_path / "out")
+    assert "\n" not in str(e.value)
+
+
 def test_nf4_load_quantises_only_the_text_linears(mm_dir):
     bnb = pytest.importorskip("bitsandbytes")
     _, path = mm_dir

@@ -239,9 +239,16 @@ def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     # The source's layout (ties: the last, transformers' save layout).
     counts = [sum(from_hf_name(n, (lay,)) is not None for n in names) for lay in layouts]
     layout = layouts[max(reversed(range(len(layouts))), key=counts.__getitem__)]
+    others = passthrough_names(model, names)
+    if any(".weight." in n for n in others):  # bitsandbytes pieces: weight.absmax, ...
+        raise ValueError(
+            f"save_model: the vision tower in {folder} is stored 4-bit (bitsandbytes) and "
+            "cannot go into a full-precision checkpoint; save from the original checkpoint "
+            "(e.g. slipstream export ADAPTER --base ORIGINAL)."
+        )
     for name, t in state:
         yield to_hf_name(name, layout), t
-    yield from _safetensors_tensors(folder, only=set(passthrough_names(model, names)))
+    yield from _safetensors_tensors(folder, only=set(others))
 
 
 def passthrough_names(model: CausalLM, names: list[str] | None = None) -> list[str]:
