@@ -17,7 +17,8 @@ from slipstream.checkpoint.export import export_merged
 from slipstream.checkpoint.hf import load_model, save_model
 from slipstream.debug import count_syncs
 from slipstream.ops.packing import SeqInfo
-from slipstream.peft.lora import apply_lora, load_adapter, merge_lora, save_adapter
+from slipstream.peft.adapter_file import load_adapter, save_adapter
+from slipstream.peft.lora import apply_lora, merge_lora
 
 __all__ = [
     "SeqInfo",

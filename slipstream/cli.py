@@ -110,8 +110,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_output_dir(args.out)
     from slipstream.checkpoint.export import export_merged
     from slipstream.checkpoint.hf import load_model
-    from slipstream.peft.lora import load_adapter
-    from slipstream.train.loop import load_tokenizer
+    from slipstream.peft.adapter_file import load_adapter
+    from slipstream.train.setup import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source(adapter, args.base))
     model = load_model(args.base)
@@ -127,8 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
     from slipstream.checkpoint.hf import load_model
     from slipstream.generate import chat_reply
-    from slipstream.peft.lora import load_adapter
-    from slipstream.train.loop import load_tokenizer, resolve_device, resolve_dtype
+    from slipstream.peft.adapter_file import load_adapter
+    from slipstream.train.setup import load_tokenizer, resolve_device, resolve_dtype
 
     src = Path(args.model)
     adapter = src if (src / "adapter_config.json").is_file() else None

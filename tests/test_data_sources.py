@@ -9,7 +9,7 @@ import pytest
 from helpers.runs import chat_rows, run_config
 
 from slipstream.config import config_from_dict, load_config
-from slipstream.train.loop import build_data, load_tokenizer
+from slipstream.train.setup import build_data, load_tokenizer
 
 
 def _alpaca_rows(n: int) -> list[dict]:

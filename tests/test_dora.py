@@ -12,8 +12,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import slipstream
 from slipstream.ops.packing import SeqInfo
+from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.dora import DoRALinear
-from slipstream.peft.lora import apply_lora, load_adapter, lora_modules, save_adapter
+from slipstream.peft.lora import apply_lora, lora_modules
 
 LENGTHS = [7, 11]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

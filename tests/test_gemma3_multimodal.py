@@ -194,7 +194,7 @@ def test_lora_adapter_loads_in_peft_on_the_multimodal_model(mm_dir, tmp_path, ta
     # The adapter changed the output, so the comparison above could fail.
     assert (_per_sequence_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
     # Our own adapter loads back here with the same logits.
-    again = slipstream.peft.lora.load_adapter(slipstream.load_model(path), tmp_path)
+    again = slipstream.load_adapter(slipstream.load_model(path), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(again(ids, SeqInfo.from_lengths(LENGTHS)), got, atol=0, rtol=0)
 
@@ -209,7 +209,7 @@ def test_peft_adapter_with_language_model_regex_loads_here(mm_dir, tmp_path, lay
     peft_model = get_peft_model(copy.deepcopy(hf), config)
     _randomise_lora_b(peft_model)
     peft_model.save_pretrained(tmp_path / "peft")
-    ours = slipstream.peft.lora.load_adapter(slipstream.load_model(path), tmp_path / "peft")
+    ours = slipstream.load_adapter(slipstream.load_model(path), tmp_path / "peft")
     assert ours.lora_config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
     n_layers = 3 if layers == r"\d+" else 2
     assert len(slipstream.peft.lora.lora_modules(ours)) == n_layers * 3
@@ -233,7 +233,7 @@ def test_peft_adapter_on_the_vision_tower_is_a_one_line_error(mm_dir, tmp_path):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     get_peft_model(copy.deepcopy(hf), config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vision side.*target_modules regex") as e:
-        slipstream.peft.lora.load_adapter(slipstream.load_model(path), tmp_path)
+        slipstream.load_adapter(slipstream.load_model(path), tmp_path)
     assert "\n" not in str(e.value)
 
 
@@ -343,7 +343,7 @@ def test_trainer_lora_run_writes_an_adapter_peft_loads(tmp_path):
     peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), out).eval()
     wrapped = [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)]
     assert len(wrapped) == 3 * 7 and all("language_model" in n for n in wrapped)
-    ours = slipstream.peft.lora.load_adapter(slipstream.load_model(model_dir), out)
+    ours = slipstream.load_adapter(slipstream.load_model(model_dir), out)
     ids = torch.randint(0, 290, (15,), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths([15]))

@@ -12,15 +12,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from slipstream.debug import count_syncs
-from slipstream.peft.lora import (
-    DEFAULT_TARGETS,
-    LoRALinear,
-    apply_lora,
-    load_adapter,
-    lora_modules,
-    merge_lora,
-    save_adapter,
-)
+from slipstream.peft.adapter_file import load_adapter, save_adapter
+from slipstream.peft.lora import DEFAULT_TARGETS, LoRALinear, apply_lora, lora_modules, merge_lora
 
 SMALL = dict(
     vocab_size=61,

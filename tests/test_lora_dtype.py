@@ -19,7 +19,8 @@ from slipstream.models.moe_block import moe_blocks
 from slipstream.ops import moe as moe_ops
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft import lora_experts
-from slipstream.peft.lora import LoRALinear, apply_lora, load_adapter, lora_modules, save_adapter
+from slipstream.peft.adapter_file import load_adapter, save_adapter
+from slipstream.peft.lora import LoRALinear, apply_lora, lora_modules
 from slipstream.peft.lora_experts import expert_lora_modules
 
 BF16 = dict(atol=2e-2, rtol=1.6e-2)  # a few bf16 ulps

@@ -16,7 +16,8 @@ import slipstream
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft import lora
-from slipstream.peft.lora import apply_lora, load_adapter, merge_lora, save_adapter
+from slipstream.peft.adapter_file import load_adapter, save_adapter
+from slipstream.peft.lora import apply_lora, merge_lora
 from slipstream.peft.lora_experts import LoRAExperts, expert_lora_modules, expert_lora_tensors
 
 FAMILIES = ["qwen3_moe", "gpt_oss"]

@@ -21,7 +21,8 @@ from slipstream.models.moe_block import router_aux_loss_coef, set_router_aux_los
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft.lora import apply_lora
 from slipstream.peft.lora_experts import expert_lora_modules
-from slipstream.train.loop import accumulate_gradients, build_model
+from slipstream.train.loop import accumulate_gradients
+from slipstream.train.setup import build_model
 
 FAMILIES = ["qwen3_moe", "gpt_oss"]
 VOCAB = 300
@@ -132,7 +133,7 @@ def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
 def test_aux_loss_micro_batch_has_no_host_sync(moe_run, tmp_path):
     """LoRA all-linear (experts too) + aux loss: forward and backward of a window, no sync."""
     from slipstream.data import collate
-    from slipstream.train.loop import build_data, load_tokenizer
+    from slipstream.train.setup import build_data, load_tokenizer
 
     family, model_dir, _ = moe_run
     cfg = config_from_dict(_config(moe_run, tmp_path, router_aux_loss_coef=0.01))

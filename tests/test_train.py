@@ -17,7 +17,8 @@ from helpers.runs import lora_with_dropout, losses, run_config, train_until_sign
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
-from slipstream.train.loop import accumulate_gradients, build_data, build_model
+from slipstream.train.loop import accumulate_gradients
+from slipstream.train.setup import build_data, build_model
 from slipstream.train.state import list_checkpoints
 
 

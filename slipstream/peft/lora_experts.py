@@ -1,13 +1,13 @@
 """LoRA on stacked MoE experts, saved in the layout PEFT uses for `target_parameters`.
 
-Used through `slipstream.peft.lora` (`apply_lora`, `save_adapter`, `load_adapter`,
-`merge_lora`), which calls in here when a model has MoE blocks. `wrap_experts(model, ...)`
-swaps each MoE block's `experts` for a `LoRAExperts` that keeps the
-original as `.base_layer` and holds, per targeted parameter (`gate_up_proj`, `down_proj`),
-stacked factors A (E, r, in) and B (E, out, r). Forward adds scale * B_e A_e x to every routed
-row with two more grouped GEMMs over the same routing offsets, so each expert's factors see
-exactly that expert's rows: every expert that received tokens gets a gradient, an expert that
-received none gets exactly zero, and nothing loops over experts or syncs the host.
+Used through `slipstream.peft.lora` (`apply_lora`, `merge_lora`) and
+`slipstream.peft.adapter_file` (`save_adapter`, `load_adapter`), which call in here when a model
+has MoE blocks. `wrap_experts(model, ...)` swaps each MoE block's `experts` for a `LoRAExperts`
+that keeps the original as `.base_layer` and holds, per targeted parameter (`gate_up_proj`,
+`down_proj`), stacked factors A (E, r, in) and B (E, out, r). Forward adds scale * B_e A_e x to
+every routed row with two more grouped GEMMs over the same routing offsets, so each expert's
+factors see exactly that expert's rows: every expert that received tokens gets a gradient, an
+expert that received none gets exactly zero, and nothing loops over experts or syncs the host.
 
 PEFT layout (peft 0.21 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
 "mlp.experts.down_proj"])`, `lora.ParamWrapper`), read from its source:

@@ -28,13 +28,9 @@ its total once. With `log_every=10` that is one stall every 10 optimizer steps.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,9 +39,7 @@ from slipstream import distributed as dist
 from slipstream.config import RunConfig, check_output_dir, write_resolved_config
 from slipstream.models.moe_block import (
     moe_aux_loss,
-    moe_blocks,
     router_aux_loss_coef,
-    set_router_aux_loss_coef,
 )
 from slipstream.train.flops import StepFlops
 from slipstream.train.metrics import (
@@ -57,24 +51,21 @@ from slipstream.train.metrics import (
     write_json,
 )
 from slipstream.train.optim import build_optimizer, build_schedule
+from slipstream.train.setup import (
+    build_data,
+    build_model,
+    load_tokenizer,
+    report_dict,
+    resolve_device,
+    save_result,
+    seed_everything,
+)
 from slipstream.train.state import (
     StopSignal,
     find_resume_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-
-
-@dataclass
-class RunData:
-    """Tokenized examples and the packed batches (lists of example indices) over them."""
-
-    train: list[Any]
-    train_batches: list[list[int]]
-    eval: list[Any]
-    eval_batches: list[list[int]]
-    report: Any
-    packing_efficiency: float
 
 
 def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
@@ -349,167 +340,3 @@ def collate_batch(examples: list[Any], indices: list[int], device: torch.device)
     from slipstream.data import collate
 
     return collate([examples[i] for i in indices]).to(device)
-
-
-def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
-    """Load, tokenize and split each source, pool them and pack; report what was skipped,
-    truncated or dropped."""
-    from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
-
-    d, t = cfg.data, cfg.train
-    examples, eval_examples, reports = [], [], []
-    for source in _sources(d.train):
-        rows, eval_rows = load_split(
-            source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
-        )
-        part, report = _tokenize_source(cfg, tokenizer, rows, source, "train")
-        examples += part
-        reports.append(report)
-        if eval_rows is not None:
-            eval_examples += _tokenize_source(cfg, tokenizer, eval_rows, source, "eval")[0]
-        if len(_sources(d.train)) > 1:
-            dist.print_main(f"slipstream: {source}: {report.summary()}")
-    for source in _sources(d.eval):
-        rows = load_rows(source, split=d.split)
-        eval_examples += _tokenize_source(cfg, tokenizer, rows, source, "eval")[0]
-    report = dist.merge_reports(reports)
-    lengths = [len(ex.input_ids) for ex in examples]
-    train_batches = pack_examples(lengths, t.tokens_per_batch)
-    eval_lengths = [len(ex.input_ids) for ex in eval_examples]
-    eval_batches = pack_examples(eval_lengths, t.tokens_per_batch) if eval_examples else []
-    efficiency = packing_efficiency(lengths, train_batches, t.tokens_per_batch)
-    dist.print_main(
-        f"slipstream: {len(examples)} train / {len(eval_examples)} eval examples, "
-        f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}"
-    )
-    return RunData(examples, train_batches, eval_examples, eval_batches, report, efficiency)
-
-
-def _sources(value: str | list[str] | None) -> list[str]:
-    return [] if value is None else [value] if isinstance(value, str) else value
-
-
-def _tokenize_source(cfg: RunConfig, tokenizer: Any, rows: Any, source: str, what: str):
-    """(examples, DataReport) of one source's rows. Under torchrun each rank tokenizes a
-    slice and all get every example back, in row order: every rank packs the same batches."""
-    from slipstream.data import tokenize_rows
-
-    d, t = cfg.data, cfg.train
-    options = dict(
-        format=d.format, train_on=d.train_on, overlong=d.overlong, strict=d.strict,
-        num_proc=d.num_proc, max_tokens=min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch),
-    )  # fmt: skip
-
-    def tokenize(part, first_row):
-        return tokenize_rows(part, tokenizer, first_row=first_row, **options)
-
-    try:
-        examples, report = dist.tokenize_sharded(tokenize, rows, what)
-    except ValueError as e:
-        raise ValueError(f"data source '{source}' ({what}): {e}") from None
-    if not examples:
-        raise ValueError(f"data source '{source}': no usable examples ({report.summary()})")
-    return examples, report
-
-
-def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """Load weights (NF4 for QLoRA), then LoRA or full training, then checkpointing."""
-    from slipstream.checkpoint.hf import load_model
-
-    quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
-    if quantize and cfg.lora.method == "full":
-        raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
-    if cfg.train.router_aux_loss_coef is not None:
-        if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
-            raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
-        set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
-    if cfg.lora.method == "lora":
-        from slipstream.peft.lora import apply_lora
-
-        lo = cfg.lora
-        apply_lora(
-            model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
-            use_rslora=lo.use_rslora, use_dora=lo.use_dora,
-        )  # fmt: skip
-    else:
-        model.requires_grad_(True)
-    mode = cfg.train.activation_checkpointing
-    if mode == "auto":  # offload pays on a GPU; on CPU there is no device memory to save
-        mode = "offload" if device.type == "cuda" else "recompute"
-    if mode != "none":
-        from slipstream.memory.offload import apply_checkpointing
-
-        apply_checkpointing(model, mode)
-    if cfg.train.compile:
-        from slipstream.compile import apply_compile
-
-        apply_compile(model)
-    return model
-
-
-def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
-    """The adapter (PEFT layout) or the full model (HF layout), plus the tokenizer files."""
-    if cfg.lora.method == "full":
-        from slipstream.checkpoint.hf import save_model
-
-        save_model(model, out)
-    else:
-        from slipstream.peft.lora import save_adapter
-
-        save_adapter(model, out, base_model_name_or_path=cfg.model.path)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
-
-
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer (from its folder, or the one stored in a GGUF file)."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"model.path: GGUF file not found: {p}")
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
-        raise ValueError(f"model.path: no tokenizer files (tokenizer.json ...) in '{p}'")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-
-
-def report_dict(report: Any) -> Any:
-    if dataclasses.is_dataclass(report):
-        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(report).items()}
-    return report if isinstance(report, dict) else str(report)
