@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.models.common import Attention, Backbone, CausalLM, ModelConfig, base_config_from_hf
-from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
+from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import attend
 from slipstream.ops.packing import SeqInfo
 
@@ -211,12 +211,9 @@ class Gemma3Attention(Attention):
         self.k_norm = Gemma3RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.query_pre_attn_scalar**-0.5
 
-    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
-        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
-        q_THD, k_TGD = self.q_norm(q_THD), self.k_norm(k_TGD)
-        q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
-        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
-        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
+    def project_qkv(self, x_TD: torch.Tensor):
+        q_THD, k_TGD, v_TGD = super().project_qkv(x_TD)
+        return self.q_norm(q_THD), self.k_norm(k_TGD), v_TGD
 
     @torch.compiler.disable
     def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
