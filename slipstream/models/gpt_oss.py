@@ -48,7 +48,6 @@ from slipstream.models.moe_block import (
     num_experts_from_hf,
     stacked_param,
 )
-from slipstream.models.rope import apply_rope
 from slipstream.ops.attention import attend
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.ops.packing import SeqInfo
@@ -99,12 +98,6 @@ class GptOssAttention(Attention):
     def __init__(self, cfg: ModelConfig, window: int | None) -> None:
         super().__init__(cfg, window)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
-
-    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
-        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
-        q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
-        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
-        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
 
     @torch.compiler.disable
     def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
