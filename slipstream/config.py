@@ -49,6 +49,9 @@ class DataSection(_Section):
     eval: str | list[str] | None = None  # held-out source(s); or use eval_fraction (per source)
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     format: str = "auto"  # auto-detected from the columns unless given
+    # A .jinja file or the template text, replacing the tokenizer's chat template (base models
+    # have none); saved with the tokenizer, so `slipstream generate` and transformers use it.
+    chat_template: str | None = None
     train_on: Literal["assistant", "all"] = "assistant"
     max_tokens: int | None = Field(None, gt=0)  # per example; default: train.tokens_per_batch
     overlong: Literal["truncate", "drop"] = "drop"

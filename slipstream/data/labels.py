@@ -206,8 +206,8 @@ def tokenize_rows(
     fmt = detect_format(_columns(rows), format)
     if fmt != "text" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"data format {fmt!r} needs a chat template but the tokenizer has none; use a "
-            "tokenizer with `chat_template` in tokenizer_config.json or data in 'text' format."
+            f"data format {fmt!r} needs a chat template but the tokenizer has none; give one "
+            "as data.chat_template (a .jinja file or the template), or use data in 'text' format."
         )
     args = (tokenizer, fmt, train_on, max_tokens, overlong)
     if num_proc is None:

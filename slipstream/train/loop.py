@@ -59,6 +59,7 @@ from slipstream.train.setup import (
     resolve_device,
     save_result,
     seed_everything,
+    set_chat_template,
 )
 from slipstream.train.state import (
     StopSignal,
@@ -87,6 +88,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     seed_everything(t.seed)  # the same seed on every rank: identical initial weights
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
+    set_chat_template(tokenizer, cfg.data.chat_template)
     data = build_data(cfg, tokenizer)
     model = model if model is not None else build_model(cfg, device)
     model = dist.wrap_model(model, mode, device)

@@ -160,6 +160,30 @@ def load_tokenizer(path: str) -> Any:
         raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
 
 
+def set_chat_template(tokenizer: Any, template: str | None) -> None:
+    """data.chat_template (a .jinja file, or the template itself) replaces the tokenizer's;
+    checked once on a two-turn chat, so a broken template is one error, not every row
+    skipped."""
+    if template is None:
+        return
+    if "{{" not in template and "{%" not in template:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"data.chat_template: '{template}' is neither a file nor a Jinja template "
+                "(text with {{ ... }} or {% ... %})"
+            )
+        template = path.read_text(encoding="utf-8")
+    tokenizer.chat_template = template
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception as e:  # jinja's own errors: syntax, undefined names, raise_exception
+        raise ValueError(f"data.chat_template does not render a chat: {e}") from None
+    if "Hello" not in text:
+        raise ValueError("data.chat_template renders a chat without the assistant's message")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
