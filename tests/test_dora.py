@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers.models import make_hf_model, shifted_labels
+from helpers.models import make_hf_model, per_sequence_logits, shifted_labels
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import slipstream
@@ -35,14 +35,6 @@ def _perturb(named_params):
                 p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
 
 
-def _hf_per_sequence(model, ids):
-    out, start = [], 0
-    for n in LENGTHS:
-        out.append(model(input_ids=ids[None, start : start + n]).logits[0])
-        start += n
-    return torch.cat(out)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
@@ -66,7 +58,7 @@ def test_our_dora_adapter_loads_in_peft_with_same_logits_and_grads(base, tmp_pat
     assert cfg["use_dora"] is True
     peft_model = PeftModel.from_pretrained(_hf(base), tmp_path, is_trainable=True)
     ids, seq = _ids(), SeqInfo.from_lengths(LENGTHS)
-    ref = _hf_per_sequence(peft_model, ids)
+    ref = per_sequence_logits(peft_model, ids, LENGTHS)
     got = ours(ids, seq)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
@@ -103,10 +95,9 @@ def test_peft_dora_adapter_loads_here_with_same_logits(base, tmp_path):
     ours = load_adapter(slipstream.load_model(base), tmp_path)
     ids = _ids(3)
     with torch.no_grad():
-        torch.testing.assert_close(
-            ours(ids, SeqInfo.from_lengths(LENGTHS)), _hf_per_sequence(peft_model.eval(), ids),
-            atol=1e-5, rtol=1e-5,
-        )  # fmt: skip
+        got = ours(ids, SeqInfo.from_lengths(LENGTHS))
+        want = per_sequence_logits(peft_model.eval(), ids, LENGTHS)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_in_training_matches_peft(base, tmp_path):
@@ -146,7 +137,7 @@ def test_merged_export_loads_in_transformers(base, tmp_path):
         want = ours(ids, seq)
     slipstream.export_merged(ours, tmp_path)
     with torch.no_grad():
-        got = _hf_per_sequence(_hf(tmp_path), ids)
+        got = per_sequence_logits(_hf(tmp_path), ids, LENGTHS)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -18,6 +18,8 @@ from helpers.models import (
     assert_loss_and_grads_match,
     compiled_graphs,
     make_hf_model,
+    per_sequence_logits,
+    randomise_lora_b,
     shifted_labels,
 )
 from peft import PeftModel
@@ -55,20 +57,13 @@ def hf_dir(tmp_path_factory):
     return hf, path
 
 
+def _hf_logits(hf, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return per_sequence_logits(hf, ids, lengths)
+
+
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _per_sequence_logits(hf, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([hf(input_ids=s[None]).logits[0] for s in ids.split(lengths)])
-
-
-def _randomise_lora_b(model) -> None:
-    with torch.no_grad():  # a trained adapter: B != 0
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
 
 
 def test_packed_logits_match_transformers_per_sequence(hf_dir):
@@ -78,7 +73,7 @@ def test_packed_logits_match_transformers_per_sequence(hf_dir):
     ids = _ids(sum(LENGTHS), seed=1)
     with torch.no_grad():
         packed = ours(ids, SeqInfo.from_lengths(LENGTHS))
-    torch.testing.assert_close(packed, _per_sequence_logits(hf, ids, LENGTHS), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed, _hf_logits(hf, ids, LENGTHS), atol=1e-4, rtol=1e-4)
 
 
 def test_loss_and_grads_match_transformers(hf_dir):
@@ -106,7 +101,7 @@ def test_lora_adapter_loads_in_peft_with_same_logits(hf_dir, tmp_path):
     hf, path = hf_dir
     ours = slipstream.load_model(path)
     slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
-    _randomise_lora_b(ours)
+    randomise_lora_b(ours)
     slipstream.save_adapter(ours, tmp_path)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert len(cfg["target_modules"]) == 7
@@ -114,10 +109,10 @@ def test_lora_adapter_loads_in_peft_with_same_logits(hf_dir, tmp_path):
     ids = _ids(sum(LENGTHS), seed=4)
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths(LENGTHS))
-    expected = _per_sequence_logits(peft_model, ids, LENGTHS)
+    expected = _hf_logits(peft_model, ids, LENGTHS)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # The adapter changed the output, so the comparison above could fail.
-    assert (_per_sequence_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
+    assert (_hf_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
 
 
 def test_export_merged_loads_in_transformers(hf_dir, tmp_path):
@@ -126,16 +121,16 @@ def test_export_merged_loads_in_transformers(hf_dir, tmp_path):
     hf, path = hf_dir
     ours = slipstream.load_model(path)
     slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
-    _randomise_lora_b(ours)
+    randomise_lora_b(ours)
     ids = _ids(11, seed=5)
     with torch.no_grad():
         expected = ours(ids, SeqInfo.from_lengths([11]))
     slipstream.export_merged(ours, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(back).__name__ == "Gemma3ForCausalLM"
-    got = _per_sequence_logits(back, ids, [11])
+    got = _hf_logits(back, ids, [11])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert (_per_sequence_logits(hf, ids, [11]) - expected).abs().max() > 1e-3
+    assert (_hf_logits(hf, ids, [11]) - expected).abs().max() > 1e-3
 
 
 def _lora_grads(model, ids, labels, seq):
@@ -150,7 +145,7 @@ def test_lora_step_with_offload_is_sync_free_and_exact(hf_dir):
     _, path = hf_dir
     plain = slipstream.load_model(path)
     slipstream.apply_lora(plain, rank=4, alpha=8, targets="all-linear")
-    _randomise_lora_b(plain)
+    randomise_lora_b(plain)
     offloaded = copy.deepcopy(plain)
     apply_checkpointing(offloaded, "offload", force=True, min_offload_bytes=0)
     ids = _ids(sum(LENGTHS), seed=6)

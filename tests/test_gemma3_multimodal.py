@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from helpers.models import shifted_labels
+from helpers.models import per_sequence_logits, randomise_lora_b, shifted_labels
 from helpers.runs import chat_rows
 from helpers.tokenizers import save_test_tokenizer
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -91,21 +91,14 @@ def mm_dir(tmp_path_factory):
     return hf, path
 
 
+def _hf_logits(hf, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return per_sequence_logits(hf, ids, lengths)
+
+
 def _ids(n: int, seed: int) -> torch.Tensor:
     # Not 0, the pad id: transformers' embedding gives its row no gradient (padding_idx).
     return torch.randint(1, VOCAB - 3, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _per_sequence_logits(hf, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([hf(input_ids=s[None]).logits[0] for s in ids.split(lengths)])
-
-
-def _randomise_lora_b(model) -> None:
-    with torch.no_grad():  # a trained adapter: B != 0
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -128,7 +121,7 @@ def test_packed_logits_match_transformers_per_sequence(mm_dir):
     ids = _ids(sum(LENGTHS), seed=1)
     with torch.no_grad():
         packed = ours(ids, SeqInfo.from_lengths(LENGTHS))
-    torch.testing.assert_close(packed, _per_sequence_logits(hf, ids, LENGTHS), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed, _hf_logits(hf, ids, LENGTHS), atol=1e-4, rtol=1e-4)
 
 
 def test_loss_and_grads_match_transformers(mm_dir):
@@ -164,12 +157,12 @@ def test_untied_checkpoint_in_transformers_module_names(tmp_path):
     ids = _ids(13, seed=3)
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths([13]))
-    torch.testing.assert_close(got, _per_sequence_logits(hf, ids, [13]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, _hf_logits(hf, ids, [13]), atol=1e-4, rtol=1e-4)
     slipstream.save_model(ours, out)
     assert set(_tensors(out)) == set(_tensors(src))
     assert (out / "preprocessor_config.json").read_text() == processor
     back = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
-    torch.testing.assert_close(_per_sequence_logits(back, ids, [13]), got, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_hf_logits(back, ids, [13]), got, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("targets,dora", [(None, False), ("all-linear", False), (None, True)])
@@ -177,7 +170,7 @@ def test_lora_adapter_loads_in_peft_on_the_multimodal_model(mm_dir, tmp_path, ta
     hf, path = mm_dir
     ours = slipstream.load_model(path)
     slipstream.apply_lora(ours, rank=4, alpha=8, targets=targets, use_dora=dora)
-    _randomise_lora_b(ours)
+    randomise_lora_b(ours)
     slipstream.save_adapter(ours, tmp_path)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     # A regex over the language model, not a name list (which would hit the tower's q/k/v).
@@ -189,10 +182,10 @@ def test_lora_adapter_loads_in_peft_on_the_multimodal_model(mm_dir, tmp_path, ta
     ids = _ids(sum(LENGTHS), seed=4)
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths(LENGTHS))
-    expected = _per_sequence_logits(peft_model, ids, LENGTHS)
+    expected = _hf_logits(peft_model, ids, LENGTHS)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # The adapter changed the output, so the comparison above could fail.
-    assert (_per_sequence_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
+    assert (_hf_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
     # Our own adapter loads back here with the same logits.
     again = slipstream.load_adapter(slipstream.load_model(path), tmp_path)
     with torch.no_grad():
@@ -207,7 +200,7 @@ def test_peft_adapter_with_language_model_regex_loads_here(mm_dir, tmp_path, lay
     regex = rf"model\.language_model\.layers\.{layers}\.(self_attn\.(q_proj|v_proj)|mlp\.down_proj)"
     config = LoraConfig(r=4, lora_alpha=8, target_modules=regex, task_type="CAUSAL_LM")
     peft_model = get_peft_model(copy.deepcopy(hf), config)
-    _randomise_lora_b(peft_model)
+    randomise_lora_b(peft_model)
     peft_model.save_pretrained(tmp_path / "peft")
     ours = slipstream.load_adapter(slipstream.load_model(path), tmp_path / "peft")
     assert ours.lora_config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
@@ -216,14 +209,14 @@ def test_peft_adapter_with_language_model_regex_loads_here(mm_dir, tmp_path, lay
     ids = _ids(sum(LENGTHS), seed=5)
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths(LENGTHS))
-    expected = _per_sequence_logits(peft_model.eval(), ids, LENGTHS)
+    expected = _hf_logits(peft_model.eval(), ids, LENGTHS)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert (_per_sequence_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
+    assert (_hf_logits(hf, ids, LENGTHS) - expected).abs().max() > 1e-3
     slipstream.save_adapter(ours, tmp_path / "ours")
     again = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ours").eval()
     wrapped = [n for n, m in again.named_modules() if isinstance(m, LoraLayer)]
     assert len(wrapped) == n_layers * 3
-    torch.testing.assert_close(_per_sequence_logits(again, ids, LENGTHS), got, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_hf_logits(again, ids, LENGTHS), got, atol=1e-4, rtol=1e-4)
 
 
 def test_peft_adapter_on_the_vision_tower_is_a_one_line_error(mm_dir, tmp_path):
@@ -243,7 +236,7 @@ def test_export_merged_is_a_multimodal_checkpoint(mm_dir, tmp_path):
     hf, path = mm_dir
     ours = slipstream.load_model(path)
     slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
-    _randomise_lora_b(ours)
+    randomise_lora_b(ours)
     ids = _ids(11, seed=6)
     with torch.no_grad():
         expected = ours(ids, SeqInfo.from_lengths([11]))
@@ -254,9 +247,9 @@ def test_export_merged_is_a_multimodal_checkpoint(mm_dir, tmp_path):
     )
     assert type(back).__name__ == "Gemma3ForConditionalGeneration"
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    got = _per_sequence_logits(back, ids, [11])
+    got = _hf_logits(back, ids, [11])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert (_per_sequence_logits(hf, ids, [11]) - expected).abs().max() > 1e-3
+    assert (_hf_logits(hf, ids, [11]) - expected).abs().max() > 1e-3
     # Every vision/projector tensor is the source's, bit for bit, in the file and loaded.
     source, exported = _tensors(path), _tensors(tmp_path)
     vision = [k for k in source if _is_vision(k)]
@@ -347,9 +340,9 @@ def test_trainer_lora_run_writes_an_adapter_peft_loads(tmp_path):
     ids = torch.randint(0, 290, (15,), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths([15]))
-    expected = _per_sequence_logits(peft_model, ids, [15])
+    expected = _hf_logits(peft_model, ids, [15])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert (_per_sequence_logits(hf, ids, [15]) - expected).abs().max() > 1e-4  # it trained
+    assert (_hf_logits(hf, ids, [15]) - expected).abs().max() > 1e-4  # it trained
 
 
 # ------------------------------------------------------------------- config.json variants

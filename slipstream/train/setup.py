@@ -38,7 +38,8 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
 
     d, t = cfg.data, cfg.train
     examples, eval_examples, reports = [], [], []
-    for source in _sources(d.train):
+    sources = _sources(d.train)
+    for source in sources:
         rows, eval_rows = load_split(
             source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
         )
@@ -47,7 +48,7 @@ def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
         reports.append(report)
         if eval_rows is not None:
             eval_examples += _tokenize_source(cfg, tokenizer, eval_rows, source, "eval")[0]
-        if len(_sources(d.train)) > 1:
+        if len(sources) > 1:
             dist.print_main(f"slipstream: {source}: {report.summary()}")
     for source in _sources(d.eval):
         rows = load_rows(source, split=d.split)

@@ -55,6 +55,20 @@ def save_hf_model(model, directory: Path) -> Path:
     return directory
 
 
+def per_sequence_logits(hf, ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A transformers model's logits for each packed sequence run on its own, concatenated
+    (in the caller's grad mode: gradient tests backpropagate through it)."""
+    return torch.cat([hf(input_ids=s[None]).logits[0] for s in ids_T.split(lengths)])
+
+
+def randomise_lora_b(model, std: float = 0.05) -> None:
+    """B != 0, as in a trained adapter, so an adapter's effect can show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+
+
 def shifted_labels(ids_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Next-token targets within each packed sequence; -100 at each sequence's last token."""
     labels = torch.full_like(ids_T, -100)
