@@ -6,6 +6,7 @@ Public API:
     apply_lora, save_adapter, load_adapter, merge_lora    PEFT-compatible adapters
     apply_checkpointing                         recompute / CPU offload of layer inputs
     count_syncs                                 host-sync audit
+    generate, Completion                        batched generation with a KV cache
     train                                       the training job (a RunConfig in, a summary out)
 """
 
@@ -16,16 +17,19 @@ from typing import Any
 from slipstream.checkpoint.export import export_merged
 from slipstream.checkpoint.hf import load_model, save_model
 from slipstream.debug import count_syncs
+from slipstream.generation import Completion, generate
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.lora import apply_lora, merge_lora
 
 __all__ = [
+    "Completion",
     "SeqInfo",
     "apply_checkpointing",
     "apply_lora",
     "count_syncs",
     "export_merged",
+    "generate",
     "load_adapter",
     "load_model",
     "merge_lora",

@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
     from slipstream.checkpoint.hf import load_model
-    from slipstream.generate import chat_reply
+    from slipstream.generation import chat_reply
     from slipstream.peft.adapter_file import load_adapter
     from slipstream.train.setup import load_tokenizer, resolve_device, resolve_dtype
 

@@ -68,7 +68,7 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
 
     from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
     from slipstream.config import config_from_dict
-    from slipstream.generate import chat_reply
+    from slipstream.generation import chat_reply
     from slipstream.train.loop import train
     from slipstream.train.setup import build_model, resolve_device, seed_everything
 

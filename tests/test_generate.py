@@ -5,7 +5,7 @@ import torch
 from helpers.models import make_hf_model
 
 import slipstream
-from slipstream.generate import greedy_generate
+from slipstream.generation import greedy_generate
 
 
 def test_greedy_matches_transformers_generate(tmp_path):

@@ -48,8 +48,17 @@ def attend(
     """Causal attention within each packed sequence -> (T, H, Dh).
 
     window: each query sees at most the last `window` keys of its own sequence (itself
-    included). sinks: (H,) per-head sink logits.
+    included). sinks: (H,) per-head sink logits. When generating, `seq.kv` (a step of
+    slipstream.generation.cache) stores this layer's keys and values and attends over its
+    cache, with the same window, sinks and scale the family passed.
     """
+    if seq.kv is not None:
+        return seq.kv.attend(q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale)
+    return attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+
+
+def attend_packed(q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, scale=None):
+    """`attend` without a KV cache: the packed sequences hold all their keys."""
     if q_THD.is_cuda:
         if sinks is None and _varlen_fits(q_THD) and _varlen_supports():
             return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)

@@ -44,6 +44,9 @@ class SeqInfo:
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
     # The int32 host buffer the fields were cut from, so `.to(device)` is a copy, not a rebuild.
     _host: torch.Tensor | None = field(default=None, repr=False)
+    # Generation only: a KV-cache step (slipstream.generation.cache) that `attend` hands each
+    # layer's keys and values to. None in training.
+    kv: Any = field(default=None, repr=False)
 
     @property
     def total_tokens(self) -> int:

@@ -1,0 +1,159 @@
+"""KV cache for generation, shared by every model family.
+
+The families need no generation code: each attention layer already calls
+`ops.attention.attend(q, k, v, seq, window=..., sinks=..., scale=...)` with its own window
+(sliding layers, Gemma 3 local/global), sinks (GPT-OSS) and scale. For a generation forward
+the engine sets `seq.kv` to a step object below; `attend` hands it the layer's new keys and
+values, it writes them into the cache and attends with the same window, sinks and scale the
+family passed. LoRA/DoRA adapters (unmerged) and NF4 bases sit in the projections before
+`attend`, so they work unchanged.
+
+Layers are told apart by call order: a forward calls `attend` once per layer, first to last,
+so the step counts its calls (checked at the end of the forward by `finish`).
+
+Layout: the cache of layer l is `k[l], v[l]` of shape (B, G, S, Dh): B rows (one per live
+sequence), S = longest prompt + max_new_tokens positions. Rows are compacted when sequences
+finish (`keep_rows`), so finished sequences stop costing attention work.
+
+Shapes: T packed prompt tokens, B rows, H query heads, G kv heads, R = H // G, S cache
+positions, L keys attended this step, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.ops.attention import attend_packed
+from slipstream.ops.packing import SeqInfo
+
+
+class KVCache:
+    """Keys and values of every layer for B rows of up to S positions each."""
+
+    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        shape = (rows, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, model, rows: int, max_len: int) -> KVCache:
+        cfg = model.config
+        emb = model.model.embed_tokens.weight  # activations (hence q, k, v) take its dtype
+        return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads,
+                   cfg.head_dim, emb.dtype, emb.device)  # fmt: skip
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    def keep_rows(self, rows_B: torch.Tensor) -> None:
+        """Keep (and reorder/repeat) the rows `rows_B` (int64 on the cache's device)."""
+        self.k = [k.index_select(0, rows_B) for k in self.k]
+        self.v = [v.index_select(0, rows_B) for v in self.v]
+
+
+class _Step:
+    """One forward's view of the cache: counts the layers as `attend` reaches them."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.layer = cache, 0
+
+    def next_layer(self) -> int:
+        layer, self.layer = self.layer, self.layer + 1
+        return layer
+
+    def finish(self) -> None:
+        assert self.layer == len(self.cache.k), (
+            f"KV cache: the forward called attend {self.layer} times for "
+            f"{len(self.cache.k)} layers (each layer must call it once)"
+        )
+
+
+class Prefill(_Step):
+    """Prompts packed as one `SeqInfo`: row `rows[i]` of the cache takes sequence i.
+
+    Attention is the training path (varlen/flex on CUDA, SDPA on CPU) over the packed prompts;
+    the keys and values are scattered into the cache by host-built (row, position) indices.
+    """
+
+    def __init__(self, cache: KVCache, seq: SeqInfo, rows: list[int]) -> None:
+        super().__init__(cache)
+        self.seq = seq
+        row_T = [r for r, n in zip(rows, seq.lengths, strict=True) for _ in range(n)]
+        self.row_T = torch.tensor(row_T).to(seq.device, non_blocking=True)
+        self.pos_T = seq.position_ids
+
+    def attend(self, q_THD, k_TGD, v_TGD, window=None, sinks=None, scale=None):
+        layer = self.next_layer()
+        # Integer (row, position) indices: an index_put_ with no host sync.
+        self.cache.k[layer][self.row_T, :, self.pos_T] = k_TGD
+        self.cache.v[layer][self.row_T, :, self.pos_T] = v_TGD
+        return attend_packed(q_THD, k_TGD, v_TGD, self.seq, window, sinks, scale)
+
+
+class Decode(_Step):
+    """One new token per row at position `pos_B` (device); keys 0..pos_B[b] are visible.
+
+    `max_pos` / `min_pos` (host ints, the engine knows them without asking the device) bound
+    the keys read: positions < L = max_pos + 1, and for a sliding layer none before
+    min_pos - window + 1.
+    """
+
+    def __init__(self, cache: KVCache, pos_B: torch.Tensor, min_pos: int, max_pos: int) -> None:
+        super().__init__(cache)
+        self.pos_B, self.min_pos, self.max_pos = pos_B, min_pos, max_pos
+        self.rows_B = torch.arange(pos_B.shape[0], device=pos_B.device)
+        self.masks: dict[int | None, tuple[int, torch.Tensor]] = {}
+
+    def mask(self, window: int | None) -> tuple[int, torch.Tensor]:
+        """(lo, (B, 1, 1, L - lo) bool): the keys from position lo that each row may see.
+        Built once per step and window, shared by the layers."""
+        if window not in self.masks:
+            lo = 0 if window is None else max(0, self.min_pos - window + 1)
+            key_L = torch.arange(lo, self.max_pos + 1, device=self.pos_B.device)
+            delta_BL = self.pos_B[:, None] - key_L[None, :]
+            ok_BL = delta_BL >= 0 if window is None else (delta_BL >= 0) & (delta_BL < window)
+            self.masks[window] = (lo, ok_BL[:, None, None, :])
+        return self.masks[window]
+
+    def attend(self, q_BHD, k_BGD, v_BGD, window=None, sinks=None, scale=None):
+        layer = self.next_layer()
+        K, V = self.cache.k[layer], self.cache.v[layer]
+        K[self.rows_B, :, self.pos_B] = k_BGD
+        V[self.rows_B, :, self.pos_B] = v_BGD
+        lo, mask_B11L = self.mask(window)
+        K_BGLD, V_BGLD = K[:, :, lo : self.max_pos + 1], V[:, :, lo : self.max_pos + 1]
+        B, H, Dh = q_BHD.shape
+        G = K.shape[1]
+        # The R query heads that share a kv head attend as R queries of that head: no
+        # repeated keys and no GQA flag, so every SDPA kernel of torch >= 2.0 takes it.
+        q_BGRD = q_BHD.view(B, G, H // G, Dh)
+        if sinks is None:
+            o_BGRD = F.scaled_dot_product_attention(
+                q_BGRD, K_BGLD, V_BGLD, attn_mask=mask_B11L, scale=scale
+            )
+        else:
+            o_BGRD = _attend_with_sinks(q_BGRD, K_BGLD, V_BGLD, mask_B11L, sinks, scale)
+        return o_BGRD.reshape(B, H, Dh)
+
+
+def _attend_with_sinks(q_BGRD, K_BGLD, V_BGLD, mask_B11L, sinks_H, scale):
+    """Softmax over [scores, sink] for one query per row (GPT-OSS), written out."""
+    B, G, R, Dh = q_BGRD.shape
+    scale = Dh**-0.5 if scale is None else scale
+    scores = (q_BGRD.float() @ K_BGLD.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask_B11L, float("-inf"))
+    sink_BGR1 = sinks_H.float().view(1, G, R, 1).expand(B, G, R, 1)
+    probs = torch.softmax(torch.cat([scores, sink_BGR1], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(V_BGLD.dtype) @ V_BGLD).to(q_BGRD.dtype)
+
+
+def decode_seq(pos_B: torch.Tensor, kv: Decode) -> SeqInfo:
+    """A `SeqInfo` of B one-token sequences at positions `pos_B`, carrying the decode step."""
+    B = pos_B.shape[0]
+    ar = torch.arange(B + 1, dtype=torch.int32, device=pos_B.device)
+    return SeqInfo(lengths=(1,) * B, cu_seqlens=ar, max_seqlen=1, max_seqlen_t=ar[1],
+                   position_ids=pos_B, seq_ids=ar[:B], kv=kv)  # fmt: skip
