@@ -22,7 +22,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ValidationError)
+from slipstream.checkpoint.atomic import DiskFullError
+
+# Disk full is not the user's mistake, but it is theirs to fix: one line, exit 2.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ValidationError, DiskFullError)
 
 
 def main(argv: list[str] | None = None) -> int:

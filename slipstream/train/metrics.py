@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from slipstream.checkpoint.atomic import atomic_write_text
+from slipstream.checkpoint.atomic import (
+    DiskFullError,
+    atomic_write,
+    atomic_write_text,
+    free_bytes,
+    is_disk_full,
+)
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
@@ -57,8 +63,14 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        try:  # appended, not renamed: a log; a torn last line is dropped on resume
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            if is_disk_full(e, self.path.parent):
+                raise DiskFullError(self.path, len(line), free_bytes(self.path.parent)) from None
+            raise
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float):
@@ -81,9 +93,16 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records in a metrics file; a line cut short by a kill mid-write is skipped."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
@@ -108,7 +127,7 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    atomic_write(out_png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     return out_png
 
@@ -130,7 +149,7 @@ def _truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= step] if step > 0 else []
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _tensorboard_writer(log_dir: Path) -> Any:

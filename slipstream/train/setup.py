@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from slipstream import distributed as dist
+from slipstream.checkpoint.atomic import atomic_write_files
 from slipstream.config import RunConfig
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 
@@ -140,8 +141,8 @@ def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfi
         from slipstream.peft.adapter_file import save_adapter
 
         save_adapter(model, out, base_model_name_or_path=cfg.model.path)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
+    if hasattr(tokenizer, "save_pretrained"):  # into a temp folder, then renamed file by file
+        atomic_write_files(out, tokenizer.save_pretrained)
 
 
 def load_tokenizer(path: str) -> Any:
