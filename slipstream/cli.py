@@ -1,9 +1,11 @@
-"""The `slipstream` command: train, demo, export, generate, bench.
+"""The `slipstream` command: train, demo, export, generate, chat, bench.
 
     slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
     slipstream demo                                LoRA on SmolLM2-135M, no network
     slipstream export ADAPTER_DIR --base MODEL --out DIR
-    slipstream generate MODEL_OR_ADAPTER_DIR "prompt" [--base MODEL] [--max-new-tokens N]
+    slipstream generate MODEL_OR_RUN_DIR "prompt" [--temperature T --top-p P --top-k K ...]
+    slipstream generate MODEL_OR_RUN_DIR --input prompts.jsonl --output out.jsonl
+    slipstream chat MODEL_OR_RUN_DIR                interactive, replies streamed
     slipstream bench [NAME]
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
@@ -62,13 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the merged model")
     p.set_defaults(run=cmd_export)
 
-    p = sub.add_parser("generate", help="greedy reply of a model or a LoRA run to one prompt")
-    p.add_argument("model", help="model folder, .gguf file or hub id; or an adapter folder")
-    p.add_argument("prompt", help="the user message (the chat template is applied)")
-    p.add_argument("--base", help="an adapter's base model (default: its adapter_config.json's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.set_defaults(run=cmd_generate)
+    from slipstream.generation import commands as gen
+
+    p = sub.add_parser("generate", help="complete one prompt, or a jsonl file of prompts")
+    gen.add_model_args(p)
+    p.add_argument("prompt", nargs="?", help="the user message (the chat template is applied)")
+    gen.add_sampling_args(p)
+    p.add_argument("--num-return-sequences", type=int, default=1)
+    p.add_argument("--input", help="a jsonl file of prompts (batch mode; needs --output)")
+    p.add_argument("--output", help="the jsonl file of completions (batch mode)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts a batch (batch mode)")
+    p.add_argument("--logprobs", action="store_true", help="write each token's log-prob")
+    p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    p.set_defaults(run=gen.cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with a model or a run, replies streamed")
+    gen.add_model_args(p)
+    gen.add_sampling_args(p, max_new_tokens=512)
+    p.add_argument("--system", help="a system message to start the chat with")
+    p.set_defaults(run=gen.cmd_chat)
 
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
@@ -122,26 +136,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = export_merged(model, args.out, tokenizer=tokenizer)
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
-    from slipstream.checkpoint.hf import load_model
-    from slipstream.generation import chat_reply
-    from slipstream.peft.adapter_file import load_adapter
-    from slipstream.train.setup import load_tokenizer, resolve_device, resolve_dtype
-
-    src = Path(args.model)
-    adapter = src if (src / "adapter_config.json").is_file() else None
-    base = args.base or (adapter_base(adapter) if adapter else args.model)
-    device = resolve_device(args.device)
-    tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base)
-    model = load_model(base, dtype=resolve_dtype("auto", device), device=device)
-    if adapter:
-        load_adapter(model, adapter)
-    print(chat_reply(model, tokenizer, args.prompt, args.max_new_tokens))
     return 0
 
 

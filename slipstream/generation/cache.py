@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slipstream.ops.attention import _sdpa_per_sequence as sdpa_per_sequence
 from slipstream.ops.attention import attend_packed
 from slipstream.ops.packing import SeqInfo
 
@@ -91,6 +92,11 @@ class Prefill(_Step):
         # Integer (row, position) indices: an index_put_ with no host sync.
         self.cache.k[layer][self.row_T, :, self.pos_T] = k_TGD
         self.cache.v[layer][self.row_T, :, self.pos_T] = v_TGD
+        if not q_THD.is_cuda and sinks is None and self.seq.num_seqs > 1:
+            # CPU: one causal SDPA call per prompt. The packed path's dense (T, T) mask would
+            # score every prompt against every other: at 16 prompts of 16..128 tokens that is
+            # 1152^2 scores a head where the prompts need 0.2 of them.
+            return sdpa_per_sequence(q_THD, k_TGD, v_TGD, self.seq, window, scale)
         return attend_packed(q_THD, k_TGD, v_TGD, self.seq, window, sinks, scale)
 
 
