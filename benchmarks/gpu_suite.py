@@ -12,6 +12,8 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - ours: everything on (LoRA, offload with double-buffered reloads, metadata built once);
 - ablations: metadata cache off (per-layer rebuild, `common.rebuild_attend`), offload single
   buffer, offload off (recompute), MoE one-pass off (per-expert loop), regional compile;
+- generation: `slipstream.generate` on the Qwen3-8B shape with the LoRA adapter unmerged,
+  64 prompts x 256 new tokens, generated tokens/s and host syncs per call;
 - transformers + PEFT on the same shapes and LoRA settings, gradient checkpointing, the best
   attention the image has (flash_attention_2 if `flash_attn` imports, else flex_attention on
   CUDA, else sdpa), packed via position_ids when a runtime check shows that gives
@@ -84,6 +86,7 @@ def variants(has_moe_family: bool) -> list[Variant]:
         Variant("ours, everything on", "qwen3-8b", need_s=45),
         Variant("transformers + PEFT", "qwen3-8b", impl="hf", need_s=60),
         Variant("offload off (recompute)", "qwen3-8b", ckpt="recompute"),
+        Variant("generation: 64 prompts x 256 new tokens", "qwen3-8b", impl="generate", need_s=60),
         Variant("ours, everything on", "qwen3-0.6b", need_s=20),
         Variant("transformers + PEFT", "qwen3-0.6b", impl="hf", need_s=25),
         Variant("metadata cache off (per-layer rebuild)", "qwen3-8b", metadata_cache=False),
@@ -202,6 +205,40 @@ def attention_backend(device: torch.device, hf: dict) -> str:
     return "varlen" if attention._varlen_supports() else "flex"
 
 
+def generate_row(v: Variant, setup: Setup) -> dict:
+    """`slipstream.generate` with the LoRA adapter applied unmerged (as GRPO rollouts run):
+    64 prompts of 64..512 tokens (dry run: 4 of 4..16), 256 new tokens (dry: 12), greedy;
+    tokens/s over the tokens actually generated (a random model may emit eos)."""
+    import math
+
+    import slipstream
+
+    model = OursCache.get(v, setup).eval()
+    n, lo, hi, new = (4, 4, 16, 12) if setup.dry else (64, 64, 512, 256)
+    g = torch.Generator().manual_seed(0)
+    vocab = setup.shapes[v.model]["vocab_size"]
+    prompts = [torch.randint(0, vocab, (int(k),), generator=g).tolist()
+               for k in torch.linspace(lo, hi, n).round()]  # fmt: skip
+    slipstream.generate(model, prompts[:2], max_new_tokens=8)  # warm-up
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with count_syncs() as syncs:
+        t0 = time.perf_counter()
+        out = slipstream.generate(model, prompts, max_new_tokens=new)
+        seconds = time.perf_counter() - t0  # generate reads its last tokens back: synced
+    tokens = sum(len(c.token_ids) for c in out)
+    row = {"tokens/s": tokens / seconds, "generate s": seconds, "generated": tokens,
+           "syncs/generate": syncs.total, "checks bound": math.ceil(new / 8),
+           "packing": f"packed prefill, {n} prompts x {new} new tokens",
+           "attention": "prefill: " + attention_backend(setup.device, setup.shapes[v.model])
+                        + "; decode: sdpa over the kv cache",
+           "notes": f"{syncs.total} host syncs for {new} tokens (one per stop check)"}  # fmt: skip
+    if setup.device.type == "cuda":
+        row["peak GB"] = torch.cuda.max_memory_allocated() / 1e9
+    return row
+
+
 # ----------------------------------------------------------------------------- transformers
 
 
@@ -318,7 +355,7 @@ def run_row(v: Variant, setup: Setup) -> dict:
     signal.setitimer(signal.ITIMER_REAL, max(left, 1.0))
     t0 = time.monotonic()
     try:
-        row.update((hf_row if v.impl == "hf" else ours_row)(v, setup))
+        row.update({"hf": hf_row, "generate": generate_row}.get(v.impl, ours_row)(v, setup))
         row["status"] = "ok"
     except Exception as e:  # one failing row must not stop the suite
         row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -350,7 +387,7 @@ def add_ratios(rows: list[dict]) -> None:
     base = {r["model"]: r["tokens/s"] for r in rows
             if r["variant"] == "ours, everything on" and r.get("tokens/s")}  # fmt: skip
     for r in rows:
-        if r.get("tokens/s") and r["model"] in base:
+        if r.get("tokens/s") and r["model"] in base and r["impl"] != "generate":
             r["vs ours"] = r["tokens/s"] / base[r["model"]]
 
 

@@ -123,6 +123,9 @@ def test_gpu_suite_dry_run_dense(tmp_path, capsys):
     variants = {r["variant"] for r in rows}
     assert {"offload single buffer", "offload off (recompute)"} <= variants
     assert "regional compile + everything on" in variants
+    gen = next(r for r in rows if r["impl"] == "generate")
+    assert gen["generated"] > 0 and gen["tokens/s"] > 0
+    assert 0 < gen["syncs/generate"] <= gen["checks bound"]  # one sync a stop check, no more
 
 
 @pytest.mark.slow
