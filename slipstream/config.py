@@ -96,6 +96,9 @@ class TrainSection(_Section):
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes 8-bit states
     seed: int = 0
     eval_every: int = Field(0, ge=0)  # 0: eval at start and end only
+    # Fixed prompts the model answers (greedy) at each eval, into the log and metrics.jsonl.
+    sample_prompts: list[str] = Field(default_factory=list)
+    sample_max_new_tokens: int = Field(64, gt=0)
     save_every: int = Field(0, ge=0)  # 0: no mid-run checkpoints
     keep_checkpoints: int = Field(2, gt=0)
     log_every: int = Field(10, gt=0)

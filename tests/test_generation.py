@@ -266,3 +266,24 @@ def test_one_host_sync_per_stop_check(llama):
             out = slipstream.generate(ours, PROMPTS, max_new_tokens=new, temperature=1.0, seed=0)
         assert all(x.finish_reason == "length" for x in out)
         assert c.total == math.ceil(new / 8), (new, c)
+
+
+def test_sample_replies_for_the_training_log(chat_model):
+    from slipstream.train.samples import log_samples
+
+    model, tok = chat_model
+    records = []
+
+    class Log:
+        def log(self, record):
+            records.append(record)
+
+    model.train()
+    log_samples(Log(), 7, model, tok, ["hi there", "Do you like music?"], max_new_tokens=10)
+    assert model.training  # eval inside, the training mode restored
+    msgs = [[{"role": "user", "content": p}] for p in ("hi there", "Do you like music?")]
+    ref = slipstream.generate(model, msgs, tokenizer=tok, max_new_tokens=10)
+    assert records == [{"step": 7, "samples": [
+        {"prompt": "hi there", "reply": ref[0].text.strip()},
+        {"prompt": "Do you like music?", "reply": ref[1].text.strip()},
+    ]}]  # fmt: skip
