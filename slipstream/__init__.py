@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.checkpoint.export import export_merged
 from slipstream.checkpoint.hf import load_model, save_model
 from slipstream.debug import count_syncs
 from slipstream.generation import Completion, generate
 from slipstream.ops.packing import SeqInfo
-from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.lora import apply_lora, merge_lora
 
 __all__ = [

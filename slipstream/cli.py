@@ -125,9 +125,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(f"no adapter_config.json in '{adapter}' (is it an adapter dir?)")
     check_output_dir(args.out)
+    from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
     from slipstream.checkpoint.export import export_merged
     from slipstream.checkpoint.hf import load_model
-    from slipstream.peft.adapter_file import load_adapter
     from slipstream.train.setup import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source(adapter, args.base))
@@ -137,19 +137,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
     return 0
-
-
-def adapter_base(adapter: Path) -> str:
-    """The base model an adapter was trained on, as its adapter_config.json records it."""
-    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter}/adapter_config.json names no base model; pass --base MODEL")
-    return base
-
-
-def tokenizer_source(adapter: Path, base: str) -> str:
-    """The trainer saves the tokenizer beside the adapter; otherwise take the base model's."""
-    return str(adapter) if any(adapter.glob("tokenizer*")) else base
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ from helpers.models import make_hf_model, per_sequence_logits, shifted_labels
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import slipstream
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.ops.packing import SeqInfo
-from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.dora import DoRALinear
 from slipstream.peft.lora import apply_lora, lora_modules
 

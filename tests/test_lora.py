@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.debug import count_syncs
-from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.lora import DEFAULT_TARGETS, LoRALinear, apply_lora, lora_modules, merge_lora
 
 SMALL = dict(

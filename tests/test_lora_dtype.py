@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import slipstream
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.models.moe_block import moe_blocks
 from slipstream.ops import moe as moe_ops
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft import lora_experts
-from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.lora import LoRALinear, apply_lora, lora_modules
 from slipstream.peft.lora_experts import expert_lora_modules
 

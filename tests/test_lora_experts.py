@@ -13,12 +13,13 @@ from helpers.models import shifted_labels
 from helpers.moe_models import make_hf_moe_model
 
 import slipstream
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft import lora
-from slipstream.peft.adapter_file import load_adapter, save_adapter
 from slipstream.peft.lora import apply_lora, merge_lora
 from slipstream.peft.lora_experts import LoRAExperts, expert_lora_modules, expert_lora_tensors
+from slipstream.peft.names import ADAPTER_CONFIG
 
 FAMILIES = ["qwen3_moe", "gpt_oss"]
 
@@ -64,7 +65,7 @@ def test_adapter_loads_in_peft_with_same_logits_and_grads(checkpoint, tmp_path, 
     family, path = checkpoint
     ours = _with_lora(path, targets)
     save_adapter(ours, tmp_path)
-    saved = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
+    saved = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     assert saved["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     hf = make_hf_moe_model(family, seed=3)
     pm = peft.PeftModel.from_pretrained(hf, tmp_path, is_trainable=True)
@@ -194,8 +195,8 @@ def test_user_errors(checkpoint, tmp_path):
         apply_lora(dense, targets=["gate_up_proj"])
     assert apply_lora(dense, dropout=0.1, targets=["q_proj"]).lora_config["lora_dropout"] == 0.1
     # a PEFT adapter with a bad target_parameters entry: one line naming the file
-    cfg = json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())
+    cfg = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     cfg["target_parameters"] = ["mlp.experts.up_proj"]
-    (tmp_path / lora.ADAPTER_CONFIG).write_text(json.dumps(cfg))
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="adapter_config.json: target_parameters"):
         load_adapter(slipstream.load_model(path), tmp_path)

@@ -1,4 +1,5 @@
-"""Checkpoint import/export. `gguf`: llama-architecture GGUF files -> HF config and tensors."""
+"""Checkpoint files: Hugging Face safetensors (hf.py), PEFT adapters (adapter.py), merged export
+(export.py), atomic writes (atomic.py); `gguf`: llama-architecture GGUF -> HF config, tensors."""
 
 from slipstream.checkpoint.gguf import gguf_tokenizer, read_gguf, smollm2_gguf_path
 

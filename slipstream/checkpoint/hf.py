@@ -5,11 +5,11 @@ dtype on the target device (built on the meta device first), so a 16 GB checkpoi
 costs 32 GB: one tensor at a time is in flight. Saving writes the HF layout (config.json,
 model.safetensors, sharded with an index above 5 GB) atomically: temp files, then renames.
 
-Families whose checkpoints hold the model under other names (the text model of a multimodal
-Gemma 3: `hf_layouts`, `is_passthrough` in models/__init__.py) are renamed at this boundary
-only: loading maps their names to ours and leaves the tensors that are not ours (the vision
-tower) in the checkpoint; saving writes ours under the names the source checkpoint used and
-copies the others from it (`model.checkpoint_path`, recorded by `load_model`).
+Names are the family's weight map's (models/weights.py), made once per load or save. Where a
+checkpoint holds the model under other names (the text model of a multimodal Gemma 3),
+loading maps them to ours and leaves the tensors that are not ours (the vision tower) in the
+checkpoint; saving writes ours under the names the source checkpoint used and copies the
+others from it (`model.checkpoint_path`, recorded by `load_model`).
 """
 
 from __future__ import annotations
@@ -23,19 +23,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
-from slipstream.models import FAMILIES, family_for
+from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
+from slipstream.models.weights import WeightMap, from_hf_name, to_hf_name
 
 SHARD_BYTES = 5 * 1024**3
 # A multimodal checkpoint's image processor files, copied beside the tensors save passes through.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# ((our prefix, the checkpoint's prefix), ...): where a checkpoint holds our modules.
-Layout = tuple[tuple[str, str], ...]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -62,8 +60,6 @@ def load_model(
     if path.suffix == ".gguf":
         from slipstream.checkpoint.gguf import read_gguf
 
-        if not path.is_file():
-            raise ValueError(f"GGUF file {path} does not exist.")
         hf, tensors = read_gguf(path)
         return _load(hf, tensors, dtype, device, str(path), quantize)
     folder = _resolve_folder(path_or_repo_id)
@@ -122,30 +118,6 @@ def _safetensors_names(folder: Path) -> list[str]:
     return names
 
 
-def hf_layouts(cfg) -> tuple[Layout, ...]:
-    """The layouts a family's checkpoints hold our modules in, transformers' module tree
-    first; () when the names are ours."""
-    model_type = getattr(cfg, "model_type", None)
-    hook = getattr(family_for(model_type), "hf_layouts", None) if model_type in FAMILIES else None
-    return hook(cfg) if hook is not None else ()
-
-
-def to_hf_name(name: str, layout: Layout) -> str:
-    for ours, theirs in layout:
-        if name.startswith(ours):
-            return theirs + name[len(ours) :]
-    return name
-
-
-def from_hf_name(name: str, layouts: tuple[Layout, ...]) -> str | None:
-    """Our name for a checkpoint name in any of `layouts`; None when it is none of ours."""
-    for layout in layouts:
-        for ours, theirs in layout:
-            if name.startswith(theirs):
-                return ours + name[len(theirs) :]
-    return None
-
-
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -163,6 +135,7 @@ def _load(
 
     family = family_for(hf.get("model_type"), f"{source}/config.json")
     cfg = family.config_from_hf(hf)
+    weights = family.weights(cfg)
     nf4 = None
     if qlora.check_quantize(quantize, hf, source) == "nf4":
         nf4 = qlora.NF4Loader(hf, dtype, source)
@@ -172,33 +145,8 @@ def _load(
         nf4.replace_targets(model)
     model.to_empty(device=device)
     model.model.reset_rope()
-    params = dict(model.named_parameters())
-    custom = getattr(family, "load_tensor", None)
-    layouts = hf_layouts(cfg)
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for name, tensor in tensors:
-            if layouts:
-                ours = from_hf_name(name, layouts)
-                if ours is None and family.is_passthrough(cfg, name):
-                    continue  # never held by our model: save/export copy it from the source
-                name = ours or name
-            if nf4 is not None and nf4.take(name, tensor):
-                continue
-            if custom is not None and custom(model, name, tensor):
-                loaded.add(name)
-                continue
-            if name.endswith(IGNORED_SUFFIXES) or (
-                name == "lm_head.weight" and cfg.tie_word_embeddings
-            ):
-                continue
-            if name not in params:
-                raise ValueError(f"{source}: unexpected tensor {name!r} for {cfg.model_type}.")
-            _copy_checked(params[name], tensor, name, source)
-            loaded.add(name)
-    if nf4 is not None:
-        loaded.update(nf4.finish())
-    missing = [n for n in _expected_names(model, family) if n not in loaded]
+    loaded = _load_tensors(model, weights, nf4, tensors, source)
+    missing = [n for n in weights.expected_names(model) if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
@@ -206,40 +154,53 @@ def _load(
     return model
 
 
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(
-            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-            f"expected {tuple(param.shape)} from config.json."
-        )
-    param.copy_(tensor)
-
-
-def _expected_names(model: nn.Module, family) -> list[str]:
-    expected = getattr(family, "expected_tensor_names", None)
-    if expected is not None:
-        return list(expected(model))
-    return [n for n, _ in model.named_parameters()]
+@torch.no_grad()
+def _load_tensors(model: CausalLM, weights: WeightMap, nf4, tensors, source: str) -> set[str]:
+    """Put each checkpoint tensor in its place; returns the names filled."""
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in tensors:
+        name = weights.our_name(hf_name)
+        if name is None:
+            continue  # never held by our model: save/export copy it from the source
+        if nf4 is not None and nf4.take(name, tensor):
+            continue
+        if weights.load(model, name, tensor):
+            loaded.add(name)
+            continue
+        if name.endswith(IGNORED_SUFFIXES) or (
+            name == "lm_head.weight" and cfg.tie_word_embeddings
+        ):
+            continue
+        if name not in params:
+            raise ValueError(f"{source}: unexpected tensor {name!r} for {cfg.model_type}.")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(params[name].shape)} from config.json."
+            )
+        params[name].copy_(tensor)
+        loaded.add(name)
+    if nf4 is not None:
+        loaded.update(nf4.finish())
+    return loaded
 
 
 def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs in the on-disk layout; a multimodal checkpoint's other tensors
     (vision tower, projector) read from the source checkpoint, unchanged."""
-    family = family_for(model.config.model_type)
-    custom = getattr(family, "hf_tensors", None)
-    if custom is not None:
-        state = custom(model)
-    else:
-        state = ((name, p.detach()) for name, p in model.named_parameters())
-    layouts = hf_layouts(model.config)
-    if not layouts:
+    weights = weight_map(model.config)
+    state = weights.hf_state(model)
+    if not weights.layouts:
         yield from state
         return
     folder, names = _source_names(model)
     # The source's layout (ties: the last, transformers' save layout).
+    layouts = weights.layouts
     counts = [sum(from_hf_name(n, (lay,)) is not None for n in names) for lay in layouts]
     layout = layouts[max(reversed(range(len(layouts))), key=counts.__getitem__)]
-    others = passthrough_names(model, names)
+    others = [n for n in names if weights.is_passthrough(n)]
     if any(".weight." in n for n in others):  # bitsandbytes pieces: weight.absmax, ...
         raise ValueError(
             f"save_model: the vision tower in {folder} is stored 4-bit (bitsandbytes) and "
@@ -251,14 +212,12 @@ def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _safetensors_tensors(folder, only=set(others))
 
 
-def passthrough_names(model: CausalLM, names: list[str] | None = None) -> list[str]:
+def passthrough_names(model: CausalLM) -> list[str]:
     """The source checkpoint's tensors that save copies unchanged ([] for most families)."""
-    family = family_for(model.config.model_type)
-    if not hf_layouts(model.config):
+    weights = weight_map(model.config)
+    if not weights.layouts:
         return []
-    if names is None:
-        names = _source_names(model)[1]
-    return [n for n in names if family.is_passthrough(model.config, n)]
+    return [n for n in _source_names(model)[1] if weights.is_passthrough(n)]
 
 
 def _source_names(model: CausalLM) -> tuple[Path, list[str]]:
@@ -302,18 +261,18 @@ def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
     if len(shards) == 1:
         _atomic_save(shards[0], out / "model.safetensors")
     else:
-        weight_map = {}
+        file_of = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             _atomic_save(shard, out / fname)
-            weight_map.update(dict.fromkeys(shard, fname))
+            file_of.update(dict.fromkeys(shard, fname))
         total = sum(t.numel() * t.element_size() for t in state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": file_of}
         atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
     hf = dict(model.config.hf)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     atomic_write_text(out / "config.json", json.dumps(hf, indent=2, sort_keys=True))
-    if hf_layouts(model.config):
+    if weight_map(model.config).layouts:
         for name in PROCESSOR_FILES:
             src = Path(model.checkpoint_path) / name
             if src.is_file() and src.resolve() != (out / name).resolve():

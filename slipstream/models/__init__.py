@@ -1,18 +1,16 @@
 """Model families, one file each, looked up by config.json's `model_type`.
 
-A family module provides `config_from_hf(hf) -> ModelConfig` and `build(cfg) -> CausalLM`,
-and, when its weights are not stored under our parameter names (stacked MoE experts),
-`load_tensor(model, name, tensor) -> bool` and `hf_tensors(model) -> iterator of (name, t)`.
-When a checkpoint holds the model under other names (the text model of a multimodal one):
-`hf_layouts(cfg)` -> the layouts it may use, each ((our prefix, its prefix), ...), transformers'
-module tree first (peft's adapter keys follow it); and `is_passthrough(cfg, name)` for its
-tensors that are not ours (a vision tower): skipped at load, copied from the source at save.
+A family module provides `config_from_hf(hf) -> ModelConfig`, `build(cfg) -> CausalLM` and
+`weights(cfg) -> WeightMap`: how its parameters are named and laid out in a checkpoint
+(models/weights.py; the identity map where the names are Hugging Face's).
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+
+from slipstream.models.weights import WeightMap
 
 # model_type -> module name under slipstream.models
 FAMILIES: dict[str, str] = {
@@ -40,3 +38,8 @@ def family_for(model_type: str | None, source: str = "config.json") -> ModuleTyp
             f"{source}: model_type {model_type!r} is not supported; supported: {supported}."
         )
     return importlib.import_module(f"slipstream.models.{FAMILIES[model_type]}")
+
+
+def weight_map(cfg) -> WeightMap:
+    """A fresh weight map for a model of `cfg` (one per load or save: it holds load state)."""
+    return family_for(cfg.model_type).weights(cfg)

@@ -17,9 +17,9 @@ Weights load by name (HF names throughout).
 
 Multimodal checkpoints (`gemma3`): the model is the same text model, built from `text_config`;
 only names differ at the checkpoint boundary. Transformers holds it under
-`model.language_model.*` (+ `lm_head`), its checkpoints under `language_model.model.*`
-(`hf_layouts`); the SigLIP tower and the projector are never loaded (`is_passthrough`): save
-and export copy them from the source checkpoint, and `config.json` is written back whole.
+`model.language_model.*` (+ `lm_head`), its checkpoints under `language_model.model.*`; the
+SigLIP tower and the projector are never loaded: save and export copy them from the source
+checkpoint (`Gemma3Weights`), and `config.json` is written back whole.
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, F mlp width.
 """
@@ -36,6 +36,7 @@ from torch import nn
 
 from slipstream.models.common import Attention, Backbone, CausalLM, ModelConfig, base_config_from_hf
 from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
+from slipstream.models.weights import WeightMap
 from slipstream.ops.attention import attend
 from slipstream.ops.packing import SeqInfo
 
@@ -107,16 +108,6 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     text = {**TEXT_CONFIG_DEFAULTS, **text, "model_type": "gemma3_text"}
     cfg = _text_config_from_hf({**text, "tie_word_embeddings": tie})
     return dataclasses.replace(cfg, model_type="gemma3", hf=dict(hf))
-
-
-def hf_layouts(cfg: Gemma3Config) -> tuple[tuple[tuple[str, str], ...], ...]:
-    """Our name prefixes -> transformers' (module tree first); () when they are the same."""
-    return MULTIMODAL_LAYOUTS if cfg.model_type == "gemma3" else ()
-
-
-def is_passthrough(cfg: Gemma3Config, name: str) -> bool:
-    """A checkpoint tensor (or module path) outside the text model: the vision side."""
-    return cfg.model_type == "gemma3" and name.startswith(MULTIMODAL_PASSTHROUGH)
 
 
 def _text_config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
@@ -306,3 +297,19 @@ def build(cfg: Gemma3Config) -> CausalLM:
         for t in cfg.layer_types
     ]
     return Gemma3CausalLM(cfg, layers)
+
+
+class Gemma3Weights(WeightMap):
+    """HF names; a multimodal checkpoint holds them under its own prefixes (MULTIMODAL_LAYOUTS)
+    beside the vision side (MULTIMODAL_PASSTHROUGH), which we pass through."""
+
+    def __init__(self, cfg: Gemma3Config) -> None:
+        super().__init__(cfg)
+        self.layouts = MULTIMODAL_LAYOUTS if cfg.model_type == "gemma3" else ()
+
+    def is_passthrough(self, name: str) -> bool:
+        """A checkpoint tensor (or module path) outside the text model: the vision side."""
+        return bool(self.layouts) and name.startswith(MULTIMODAL_PASSTHROUGH)
+
+
+weights = Gemma3Weights

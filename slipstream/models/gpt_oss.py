@@ -16,7 +16,8 @@ What differs from the Llama decoder:
 Weights load by name. Published checkpoints (openai/gpt-oss-20b) store the expert matrices in
 MXFP4: `gate_up_proj_blocks (E, 2I, D/32, 16)` uint8 (two e2m1 values a byte, low nibble
 first) and `gate_up_proj_scales (E, 2I, D/32)` uint8 (e8m0 exponents, bias 127), likewise for
-down_proj; `load_tensor` dequantises each pair as soon as both halves have arrived.
+down_proj; the weight map (`GptOssWeights`) dequantises each pair as soon as both halves
+have arrived.
 
 Shapes: T tokens, D hidden, H heads, E experts, I expert width, F = 2I, R routed rows,
 G 32-value blocks per row.
@@ -25,7 +26,6 @@ G 32-value blocks per row.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,11 +43,9 @@ from slipstream.models.moe_block import (
     MoEBlock,
     Router,
     aux_loss_coef_from_hf,
-    expected_names,
-    mark_split,
     num_experts_from_hf,
-    stacked_param,
 )
+from slipstream.models.weights import WeightMap
 from slipstream.ops.attention import attend
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.ops.packing import SeqInfo
@@ -210,33 +208,40 @@ def dequantize_mxfp4(
     return values.flatten(-2).to(dtype)
 
 
-def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
-    """Collect `*_blocks` / `*_scales` pairs; dequantise into the expert parameter."""
-    m = _MXFP4.match(name)
-    if m is None:
-        return False
-    target, part = m.groups()
-    param = stacked_param(model, target, name)
-    mark_split(model, target)
-    pending = model.__dict__.setdefault("_mxfp4_pending", {})
-    parts = pending.setdefault(target, {})
-    parts[part] = tensor
-    if len(parts) < 2:
+class GptOssWeights(WeightMap):
+    """Expert matrices in MXFP4 on disk (`*_blocks`, `*_scales`); float in the model."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # parameter -> halves so far
+
+    def load(self, model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+        """Collect `*_blocks` / `*_scales` pairs; dequantise into the expert parameter."""
+        m = _MXFP4.match(name)
+        if m is None:
+            return False
+        target, part = m.groups()
+        param = self.split_target(model, target, name)
+        parts = self.pending.setdefault(target, {})
+        parts[part] = tensor
+        if len(parts) < 2:
+            return True
+        del self.pending[target]
+        blocks, scales = parts["blocks"], parts["scales"]
+        E, rows, G, _ = blocks.shape
+        if (E, G * 32, rows) != tuple(param.shape):
+            raise ValueError(
+                f"tensor {target}_blocks has shape {tuple(blocks.shape)}: it dequantises to "
+                f"{(E, rows, G * 32)}, which does not transpose to {tuple(param.shape)}."
+            )
+        for e in range(E):  # one expert at a time: float32 scratch of one expert, not all E,
+            # on the parameter's device (on a GPU that is ~100x faster than the CPU)
+            b, s = blocks[e].to(param.device), scales[e].to(param.device)
+            param[e].copy_(dequantize_mxfp4(b, s).T)
         return True
-    del pending[target]
-    blocks, scales = parts["blocks"], parts["scales"]
-    E, rows, G, _ = blocks.shape
-    if (E, G * 32, rows) != tuple(param.shape):
-        raise ValueError(
-            f"tensor {target}_blocks has shape {tuple(blocks.shape)}: it dequantises to "
-            f"{(E, rows, G * 32)}, which does not transpose to {tuple(param.shape)}."
-        )
-    for e in range(E):  # one expert at a time: float32 scratch of one expert, not all E,
-        # on the parameter's device (on a GPU that is ~100x faster than the CPU)
-        b, s = blocks[e].to(param.device), scales[e].to(param.device)
-        param[e].copy_(dequantize_mxfp4(b, s).T)
-    return True
+
+    def split_parts(self, param_name: str) -> list[str]:
+        return [f"{param_name}_blocks", f"{param_name}_scales"]
 
 
-def expected_tensor_names(model: CausalLM) -> Iterator[str]:
-    return expected_names(model, lambda n: [f"{n}_blocks", f"{n}_scales"])
+weights = GptOssWeights

@@ -19,6 +19,7 @@ from slipstream.models.common import (
     SwiGLU,
     base_config_from_hf,
 )
+from slipstream.models.weights import WeightMap
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -46,3 +47,6 @@ def build(cfg: ModelConfig) -> CausalLM:
         for _ in range(cfg.num_hidden_layers)
     ]
     return CausalLM(cfg, layers)
+
+
+weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

@@ -1,5 +1,4 @@
-"""What the MoE families share: the router, the routed block, the auxiliary loss, and the
-bookkeeping for expert weights that arrive split on disk.
+"""What the MoE families share: the router, the routed block and the auxiliary loss.
 
 `MoEBlock.forward` routes in one pass with `slipstream.ops.moe` (top-k -> one stable sort ->
 counts by scatter_add -> grouped GEMMs over the offsets -> weighted gather back): no loop over
@@ -23,7 +22,6 @@ Shapes: T tokens, D hidden, E experts, K top-k, R = T*K routed rows, F = 2I, I e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,32 +140,3 @@ def num_experts_from_hf(hf: dict[str, Any]) -> int:
         if hf.get(key) is not None:
             return int(hf[key])
     raise ValueError("config.json: set num_experts (or num_local_experts) for a MoE model.")
-
-
-# --------------------------------------------------------------- weights split on disk
-
-
-def mark_split(model: nn.Module, param_name: str) -> None:
-    """Record that `param_name` is being filled from several on-disk tensors."""
-    model.__dict__.setdefault("_split_params", set()).add(param_name)
-
-
-def expected_names(model: nn.Module, parts_of: Callable[[str], list[str]]) -> Iterator[str]:
-    """Parameter names, each parameter that arrived split replaced by all its parts' names."""
-    split = model.__dict__.get("_split_params", set())
-    for name, _ in model.named_parameters():
-        if name in split:
-            yield from parts_of(name)
-        else:
-            yield name
-
-
-def stacked_param(model: nn.Module, param_name: str, tensor_name: str) -> nn.Parameter:
-    """The stacked parameter an on-disk tensor belongs to, or a one-line error."""
-    try:
-        return model.get_parameter(param_name)
-    except AttributeError:
-        raise ValueError(
-            f"unexpected tensor {tensor_name!r}: the model has no {param_name!r} "
-            "(check num_hidden_layers, mlp_only_layers and decoder_sparse_step in config.json)."
-        ) from None

@@ -38,6 +38,7 @@ from slipstream.models.common import (
     base_config_from_hf,
 )
 from slipstream.models.rope import apply_rope, rope_cos_sin
+from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
 
 LONGROPE_NAMES = ("longrope", "su", "yarn")  # transformers maps the legacy names to longrope
@@ -214,3 +215,6 @@ def build(cfg: ModelConfig) -> CausalLM:
     # where that costs nothing).
     model.model = Phi3Backbone(cfg, layers)
     return model
+
+
+weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

@@ -21,6 +21,7 @@ from slipstream.models.common import (
     SwiGLU,
     base_config_from_hf,
 )
+from slipstream.models.weights import WeightMap
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -63,3 +64,6 @@ def build(cfg: ModelConfig) -> CausalLM:
         for window in layer_windows(cfg)
     ]
     return CausalLM(cfg, layers)
+
+
+weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

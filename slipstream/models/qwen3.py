@@ -18,6 +18,7 @@ from slipstream.models.common import (
     base_config_from_hf,
 )
 from slipstream.models.qwen2 import layer_windows  # transformers reads Qwen3's windows alike
+from slipstream.models.weights import WeightMap
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -49,3 +50,6 @@ def build(cfg: ModelConfig) -> CausalLM:
         for window in layer_windows(cfg)
     ]
     return CausalLM(cfg, layers)
+
+
+weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

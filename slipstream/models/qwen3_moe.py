@@ -9,8 +9,9 @@ when `norm_topk_prob`, and experts stacked as transformers 5 holds them in memor
 
 On disk, hub checkpoints and transformers 5's `save_pretrained` store one tensor per expert:
 `mlp.experts.{e}.gate_proj.weight (I, D)`, `.up_proj.weight (I, D)`, `.down_proj.weight
-(D, I)`. `load_tensor` copies each into its slice of the stacked parameter as it streams in
-(the fused names load as they are); `hf_tensors` writes the per-expert layout back.
+(D, I)`. The weight map (`Qwen3MoeWeights`) copies each into its slice of the stacked
+parameter as it streams in (the fused names load as they are) and writes the per-expert layout
+back.
 
 Shapes: T tokens, D hidden, E experts, I expert width, F = 2I, R routed rows.
 """
@@ -31,12 +32,10 @@ from slipstream.models.moe_block import (
     MoEBlock,
     Router,
     aux_loss_coef_from_hf,
-    expected_names,
-    mark_split,
     num_experts_from_hf,
-    stacked_param,
 )
 from slipstream.models.qwen3 import Qwen3Attention
+from slipstream.models.weights import WeightMap
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -121,56 +120,55 @@ def build(cfg: ModelConfig) -> CausalLM:
     return CausalLM(cfg, layers)
 
 
-# ------------------------------------------------------------------- weight maps
+# ------------------------------------------------------------------- weight map
 
 
-def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
-    """Copy a per-expert hub tensor into its slice of the stacked expert parameter."""
-    m = _PER_EXPERT.match(name)
-    if m is None:
-        return False
-    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    target = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-    param = stacked_param(model, target, name)
-    E, rows = param.shape[0], param.shape[1]
-    if e >= E:
-        raise ValueError(f"tensor {name!r}: expert {e} but config.json has {E} experts.")
-    width = rows // 2
-    dest = {"gate_proj": param[e, :width], "up_proj": param[e, width:], "down_proj": param[e]}
-    dest = dest[proj]
-    if tuple(tensor.shape) != tuple(dest.shape):
-        raise ValueError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
-            "from config.json (hidden_size, moe_intermediate_size)."
-        )
-    dest.copy_(tensor)
-    mark_split(model, target)
-    return True
+class Qwen3MoeWeights(WeightMap):
+    """Hub checkpoints hold one tensor per expert; the model holds them stacked."""
+
+    def load(self, model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+        """Copy a per-expert tensor into its slice of the stacked expert parameter."""
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            return False
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        target = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        param = self.split_target(model, target, name)
+        E, rows = param.shape[0], param.shape[1]
+        if e >= E:
+            raise ValueError(f"tensor {name!r}: expert {e} but config.json has {E} experts.")
+        width = rows // 2
+        dest = {"gate_proj": param[e, :width], "up_proj": param[e, width:], "down_proj": param[e]}
+        dest = dest[proj]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+                "from config.json (hidden_size, moe_intermediate_size)."
+            )
+        dest.copy_(tensor)
+        return True
+
+    def split_parts(self, param_name: str) -> list[str]:
+        prefix, _, target = param_name.rpartition(".")
+        projs = ("down_proj",) if target == "down_proj" else ("gate_proj", "up_proj")
+        E = num_experts_from_hf(self.cfg.hf)
+        return [f"{prefix}.{e}.{p}.weight" for e in range(E) for p in projs]
+
+    def hf_state(self, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stacked experts written one tensor per expert (cloned: safetensors refuses tensors
+        that share storage)."""
+        for name, p in model.named_parameters():
+            prefix, _, target = name.rpartition(".")
+            if prefix.endswith("mlp.experts") and target == "gate_up_proj":
+                width = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    yield f"{prefix}.{e}.gate_proj.weight", p[e, :width].detach().clone()
+                    yield f"{prefix}.{e}.up_proj.weight", p[e, width:].detach().clone()
+            elif prefix.endswith("mlp.experts") and target == "down_proj":
+                for e in range(p.shape[0]):
+                    yield f"{prefix}.{e}.down_proj.weight", p[e].detach().clone()
+            else:
+                yield name, p.detach()
 
 
-def _expert_parts(param_name: str, num_experts: int) -> list[str]:
-    prefix, _, target = param_name.rpartition(".")
-    projs = ("down_proj",) if target == "down_proj" else ("gate_proj", "up_proj")
-    return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
-
-
-def expected_tensor_names(model: CausalLM) -> Iterator[str]:
-    E = num_experts_from_hf(model.config.hf)
-    return expected_names(model, lambda n: _expert_parts(n, E))
-
-
-def hf_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """The hub layout: stacked experts written one tensor per expert (cloned: safetensors
-    refuses tensors that share storage)."""
-    for name, p in model.named_parameters():
-        prefix, _, target = name.rpartition(".")
-        if prefix.endswith("mlp.experts") and target == "gate_up_proj":
-            width = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                yield f"{prefix}.{e}.gate_proj.weight", p[e, :width].detach().clone()
-                yield f"{prefix}.{e}.up_proj.weight", p[e, width:].detach().clone()
-        elif prefix.endswith("mlp.experts") and target == "down_proj":
-            for e in range(p.shape[0]):
-                yield f"{prefix}.{e}.down_proj.weight", p[e].detach().clone()
-        else:
-            yield name, p.detach()
+weights = Qwen3MoeWeights

@@ -4,7 +4,7 @@
 `.base_layer`, so parameter names line up with PEFT's: `<path>.base_layer.weight` in the model
 and `base_model.model.<path>.lora_A.weight` / `.lora_B.weight` in `adapter_model.safetensors`.
 Saved adapters load in `peft.PeftModel`; PEFT adapters load here (the file format:
-adapter_file.py). Shapes: A is (rank, in_features), B is (out_features, rank); y = base(x) +
+checkpoint/adapter.py). Shapes: A is (rank, in_features), B is (out_features, rank); y = base(x) +
 scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for rsLoRA). The base can
 be any module with `in_features`, `out_features` and a `weight` (e.g. a bitsandbytes
 `Linear4bit` for QLoRA); it is never modified until `merge_lora`. `use_dora=True` wraps with
@@ -12,12 +12,9 @@ be any module with `in_features`, `out_features` and a `weight` (e.g. a bitsandb
 `lora_magnitude_vector`.
 
 MoE models (qwen3_moe, gpt_oss): the same functions also put LoRA on the stacked experts
-(`slipstream.peft.lora_experts`, saved as PEFT's `target_parameters`). "all-linear" takes every
-nn.Linear but lm_head (routers are not nn.Linear) plus both expert parameters; explicit targets
-may name the expert parameters `gate_up_proj` / `down_proj`; and the dense MLP names
-`gate_proj` / `up_proj` / `down_proj` (in the default targets) also reach the experts'
-`gate_up_proj` / `down_proj`, so the default trains the MLP of a MoE model as it does of a
-dense one. PEFT has no dropout on parameters: expert LoRA with dropout > 0 is an error.
+(`slipstream.peft.lora_experts`, saved as PEFT's `target_parameters`). The dense MLP names
+(`gate_proj`, `up_proj`, `down_proj`) reach the experts' fused parameters, so the default
+targets train the MLP of a MoE model as they do a dense one's.
 
 Factor dtype: float32 master weights whenever the base is fp16/bf16 (or quantized), as PEFT
 does (`autocast_adapter_dtype=True`), so AdamW's states are float32 too. In bf16 an update
@@ -27,12 +24,9 @@ activation dtype, so the two matmuls still run in bf16. `save_adapter` writes th
 factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter dtype);
 `merge_lora` adds the delta in float32 and rounds once to the base dtype.
 
-Adapter keys and `target_modules` name modules as transformers does. Where its module tree
-differs from ours (the text model of a multimodal Gemma 3 sits at `model.language_model.*`;
-the family's `hf_layouts`), the keys use its paths and `target_modules` is a regex that peft
-full-matches on exactly the wrapped modules, so peft does not also wrap same-named modules
-outside our model (the vision tower's q/k/v_proj). Adapters with regex `target_modules` load
-here by the same rule: the regex is matched on transformers' path of each of our linears.
+Adapter keys and `target_modules` name modules as transformers does (peft/names.py). Adapters
+with a regex `target_modules` load by peft's rule: the regex is full-matched on transformers'
+path of each of our linears.
 """
 
 from __future__ import annotations
@@ -45,19 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models.moe_block import moe_blocks
+from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, peft_path
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_DEFAULT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's names
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."
-# Names that reach the stacked experts of a MoE model (the dense MLP's names map to the fused
-# expert parameter that holds them). Kept here, not imported: lora_experts imports this module.
-_EXPERT_TARGET_OF = {
-    "gate_up_proj": "gate_up_proj",
-    "down_proj": "down_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
 
 
 def lora_factor_dtype(base_weight: torch.Tensor) -> torch.dtype:
@@ -121,7 +107,16 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
-def _linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+def check_hyperparameters(rank: object, alpha: object, dropout: object, where: str) -> None:
+    """A one-line error naming `where` unless rank > 0 is an int, alpha > 0, dropout in [0, 1)."""
+    if not (isinstance(rank, int) and rank > 0) or not alpha > 0 or not 0 <= dropout < 1:
+        raise ValueError(
+            f"{where}: rank={rank!r}, alpha={alpha!r}, dropout={dropout!r}; need rank a "
+            "positive integer, alpha > 0 and dropout in [0, 1)"
+        )
+
+
+def linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     """(full name, parent, attribute, module) for each nn.Linear not inside a LoRALinear."""
     found = []
 
@@ -159,25 +154,20 @@ def apply_lora(
     use_dora: DoRA's trained magnitude per output row on each wrapped linear (peft/dora.py).
     """
     if targets is None:
-        fused = "qkv_proj" in _linear_names(model)
+        fused = "qkv_proj" in linear_names(model)
         targets = FUSED_DEFAULT_TARGETS if fused else DEFAULT_TARGETS
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
-    if not (isinstance(rank, int) and rank > 0):
-        raise ValueError(f"lora rank must be a positive integer, got {rank!r}")
-    if not alpha > 0:
-        raise ValueError(f"lora alpha must be > 0, got {alpha!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"lora dropout must be in [0, 1), got {dropout!r}")
-    has_experts = _has_moe_blocks(model)
+    check_hyperparameters(rank, alpha, dropout, "lora")
+    has_experts = bool(moe_blocks(model))
     if targets == "all-linear":
-        linear, experts = "all-linear", set(_EXPERT_TARGET_OF.values()) if has_experts else set()
+        linear, experts = "all-linear", set(EXPERT_TARGET_OF.values()) if has_experts else set()
     else:
         wanted = {targets} if isinstance(targets, str) else set(targets)
-        expert_names = set(_EXPERT_TARGET_OF) if has_experts else set()
-        present = _linear_names(model)
+        expert_names = set(EXPERT_TARGET_OF) if has_experts else set()
+        present = linear_names(model)
         linear = wanted & present
-        experts = {_EXPERT_TARGET_OF[n] for n in wanted & expert_names}
+        experts = {EXPERT_TARGET_OF[n] for n in wanted & expert_names}
         missing = sorted(wanted - present - expert_names)
         if missing or not wanted:
             also = f"; MoE expert names: {sorted(expert_names)}" if expert_names else ""
@@ -190,35 +180,28 @@ def apply_lora(
             f"lora dropout={dropout} is not supported on MoE experts (PEFT has no dropout on "
             "parameters); set lora dropout to 0 or target only linear layers (e.g. q_proj)"
         )
-    return _wrap(model, rank, alpha, dropout, linear, sorted(experts), use_rslora, use_dora)
+    return wrap_lora(model, rank, alpha, dropout, linear, sorted(experts), use_rslora, use_dora)
 
 
-def _has_moe_blocks(model: nn.Module) -> bool:
-    from slipstream.models.moe_block import moe_blocks
-
-    return bool(moe_blocks(model))
+def linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, *_ in linear_children(model)}
 
 
-def _linear_names(model: nn.Module) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name, *_ in _linear_children(model)}
+def _regex_matches(model: nn.Module, linears: list, pattern: re.Pattern) -> list:
+    """The `linear_children` entries whose transformers path `pattern` full-matches (peft's
+    rule for a regex `target_modules`), or a one-line error."""
+    layout = model_layout(model)
+    matched = [c for c in linears if pattern.fullmatch(peft_path(c[0], layout))]
+    if not matched:
+        example = peft_path(linears[0][0], layout) if linears else "none"
+        raise ValueError(
+            f"lora target_modules regex {pattern.pattern!r} matches no nn.Linear in the "
+            f"model (paths as transformers names them, e.g. {example!r})"
+        )
+    return matched
 
 
-def _hf_layout(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    """Our prefix -> transformers' module path prefix, where they differ (multimodal Gemma 3)."""
-    from slipstream.checkpoint.hf import hf_layouts
-
-    layouts = hf_layouts(getattr(model, "config", None))
-    return layouts[0] if layouts else ()
-
-
-def _peft_path(name: str, layout: tuple[tuple[str, str], ...]) -> str:
-    """Transformers' module path for our module `name` (the path peft's keys and targets use)."""
-    from slipstream.checkpoint.hf import to_hf_name
-
-    return to_hf_name(name, layout)
-
-
-def _wrap(
+def wrap_lora(
     model: nn.Module,
     rank: int,
     alpha: float,
@@ -239,25 +222,20 @@ def _wrap(
     wrapper = LoRALinear
     if use_dora:
         from slipstream.peft.dora import DoRALinear as wrapper
-    linears = _linear_children(model)
+    linears = linear_children(model)
     if linear == "all-linear":
         linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
     if isinstance(linear, re.Pattern):
-        layout = _hf_layout(model)
-        matched = [c for c in linears if linear.fullmatch(_peft_path(c[0], layout))]
-        if not matched:
-            example = _peft_path(linears[0][0], layout) if linears else "none"
-            raise ValueError(
-                f"lora target_modules regex {linear.pattern!r} matches no nn.Linear in the "
-                f"model (paths as transformers names them, e.g. {example!r})"
-            )
-        linears, linear = matched, {attr for _, _, attr, _ in matched}
+        linears = _regex_matches(model, linears, linear)
+        linear = {attr for _, _, attr, _ in linears}
     for _, parent, attr, module in linears:
         if attr in linear:
             setattr(parent, attr, wrapper(module, rank, alpha, dropout, use_rslora))
     model.requires_grad_(False)
-    for param in _adapter_tensors(model).values():
-        param.requires_grad_(True)
+    for module in lora_modules(model).values():  # the factors (and DoRA's magnitude)
+        for name, param in module.named_parameters():
+            if not name.startswith("base_layer."):
+                param.requires_grad_(True)
     model.lora_config = {
         "r": rank,
         "lora_alpha": alpha,
@@ -273,20 +251,6 @@ def _wrap(
             model, experts, rank, alpha, use_rslora
         )
     return model
-
-
-def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT key -> parameter for the factors (and DoRA magnitudes) of the wrapped linears."""
-    found = {}
-    layout = _hf_layout(model)
-    for name, module in lora_modules(model).items():
-        key = _PEFT_PREFIX + _peft_path(name, layout)
-        found[f"{key}.lora_A.weight"] = module.lora_A.weight
-        found[f"{key}.lora_B.weight"] = module.lora_B.weight
-        magnitude = getattr(module, "lora_magnitude_vector", None)
-        if magnitude is not None:
-            found[f"{key}.lora_magnitude_vector"] = magnitude
-    return found
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

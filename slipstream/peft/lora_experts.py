@@ -1,7 +1,7 @@
 """LoRA on stacked MoE experts, saved in the layout PEFT uses for `target_parameters`.
 
 Used through `slipstream.peft.lora` (`apply_lora`, `merge_lora`) and
-`slipstream.peft.adapter_file` (`save_adapter`, `load_adapter`), which call in here when a model
+`slipstream.checkpoint.adapter` (`save_adapter`, `load_adapter`), which call in here when a model
 has MoE blocks. `wrap_experts(model, ...)` swaps each MoE block's `experts` for a `LoRAExperts`
 that keeps the original as `.base_layer` and holds, per targeted parameter (`gate_up_proj`,
 `down_proj`), stacked factors A (E, r, in) and B (E, out, r). Forward adds scale * B_e A_e x to
@@ -10,10 +10,7 @@ factors see exactly that expert's rows: every expert that received tokens gets a
 expert that received none gets exactly zero, and nothing loops over experts or syncs the host.
 
 PEFT layout (peft 0.21 `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj"])`, `lora.ParamWrapper`), read from its source:
-- one wrapper per parameter, nested in the module's registration order (gate_up_proj
-  innermost), so the i-th of n targeted parameters is saved under
-  `base_model.model.<experts path>` + `.base_layer` * (n-1-i) + `.lora_A.weight` / `.lora_B.weight`;
+"mlp.experts.down_proj"])`, `lora.ParamWrapper`), read from its source (keys: peft/names.py):
 - `lora_A.weight` is (E*r, in) with rows expert-major (row e*r + j is A[e, j]);
   `lora_B.weight` is (out, r*E) with columns rank-major (column j*E + e is B[e, :, j]);
 - `in` is the side the token rows multiply, for (E, out, in) experts (Qwen3-MoE,
@@ -39,9 +36,7 @@ from torch import nn
 from slipstream.models.moe_block import MoEBlock, moe_blocks
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.peft import lora
-
-EXPERT_TARGETS = ("gate_up_proj", "down_proj")
-_PEFT_PREFIX = "base_model.model."
+from slipstream.peft.names import EXPERT_TARGETS, expert_keys, target_parameters
 
 
 class LoRAExperts(nn.Module):
@@ -123,25 +118,14 @@ def wrap_experts(
         block.experts = LoRAExperts(block.experts, targets, rank, alpha, use_rslora)
         block.experts.lora_A.requires_grad_(True)
         block.experts.lora_B.requires_grad_(True)
-    return [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in targets]
-
-
-def _peft_keys(path: str, module: LoRAExperts) -> dict[str, tuple[str, str]]:
-    """PEFT key -> (target, "A"|"B") for one experts module."""
-    keys = {}
-    n = len(module.targets)
-    for i, name in enumerate(module.targets):
-        stem = f"{_PEFT_PREFIX}{path}" + ".base_layer" * (n - 1 - i)
-        keys[f"{stem}.lora_A.weight"] = (name, "A")
-        keys[f"{stem}.lora_B.weight"] = (name, "B")
-    return keys
+    return target_parameters(targets)
 
 
 def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> tensor in PEFT's layout, for every expert LoRA factor in the model."""
     out = {}
     for path, module in expert_lora_modules(model).items():
-        for key, (name, part) in _peft_keys(path, module).items():
+        for key, (name, part) in expert_keys(path, module.targets).items():
             if part == "A":  # (E, r, in) -> (E*r, in)
                 t = module.lora_A[name].detach().flatten(0, 1)
             else:  # (E, out, r) -> (out, r, E) -> (out, r*E)
@@ -152,18 +136,18 @@ def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def expert_lora_keys(model: nn.Module) -> set[str]:
     """The PEFT keys of every expert LoRA factor in the model."""
-    return {k for path, m in expert_lora_modules(model).items() for k in _peft_keys(path, m)}
+    return {
+        k for path, m in expert_lora_modules(model).items() for k in expert_keys(path, m.targets)
+    }
 
 
 def load_expert_lora_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source) -> None:
-    """Copy PEFT-layout expert factors into the model's LoRAExperts; one-line errors."""
+    """Copy PEFT-layout expert factors into the model's LoRAExperts; one-line errors. Other
+    keys in `tensors` are the caller's to check."""
     expected = {}
     for path, module in expert_lora_modules(model).items():
-        for key, target in _peft_keys(path, module).items():
+        for key, target in expert_keys(path, module.targets).items():
             expected[key] = (module, *target)
-    for key in tensors:
-        if key not in expected:
-            raise ValueError(f"{source}: tensor {key} matches no expert LoRA in the model")
     with torch.no_grad():
         for key, (module, name, part) in expected.items():
             if key not in tensors:

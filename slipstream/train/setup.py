@@ -138,7 +138,7 @@ def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfi
 
         save_model(model, out)
     else:
-        from slipstream.peft.adapter_file import save_adapter
+        from slipstream.checkpoint.adapter import save_adapter
 
         save_adapter(model, out, base_model_name_or_path=cfg.model.path)
     if hasattr(tokenizer, "save_pretrained"):  # into a temp folder, then renamed file by file

@@ -1,0 +1,105 @@
+"""PEFT's names for our LoRA, spelled here only: the adapter files, the tensor keys
+(`base_model.model.<transformers' module path>.lora_A.weight`, `.lora_B.weight`,
+`.lora_magnitude_vector` for DoRA), `target_modules` and `target_parameters`. Transformers' path
+is ours but where its tree holds our modules under another prefix (a multimodal Gemma 3's text
+model at `model.language_model.*`): the first layout of the family's weight map.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from torch import nn
+
+from slipstream.models import FAMILIES, weight_map
+from slipstream.models.weights import Layout, to_hf_name
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the stacked expert parameters, in order
+# Target names that reach the stacked experts of a MoE model: the dense MLP's names map to the
+# fused expert parameter that holds them.
+EXPERT_TARGET_OF = {
+    "gate_up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def model_layout(model: nn.Module) -> Layout:
+    """Our prefix -> transformers' module path prefix, where they differ (multimodal Gemma 3)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in FAMILIES:
+        return ()
+    layouts = weight_map(cfg).layouts
+    return layouts[0] if layouts else ()
+
+
+def peft_path(name: str, layout: Layout) -> str:
+    """Transformers' module path for our module `name` (the path peft's keys and targets use)."""
+    return to_hf_name(name, layout)
+
+
+def adapter_key(path: str) -> str:
+    """The key stem of the module at transformers' `path`; `.lora_A.weight` etc. follow."""
+    return PEFT_PREFIX + path
+
+
+def expert_keys(path: str, targets: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """PEFT key -> (target, "A"|"B") for the experts at `path` with LoRA on `targets` (in
+    EXPERT_TARGETS order). peft nests one wrapper per parameter, the first innermost, so the
+    i-th of n is keyed `<path>` + `.base_layer` * (n-1-i) + `.lora_A.weight`."""
+    keys = {}
+    n = len(targets)
+    for i, name in enumerate(targets):
+        stem = adapter_key(path) + ".base_layer" * (n - 1 - i)
+        keys[f"{stem}.lora_A.weight"] = (name, "A")
+        keys[f"{stem}.lora_B.weight"] = (name, "B")
+    return keys
+
+
+def target_parameters(targets: Iterable[str]) -> list[str]:
+    """PEFT's `target_parameters` for LoRA on these expert parameters."""
+    return [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in set(targets)]
+
+
+def expert_targets(params: list[str]) -> list[str] | None:
+    """The expert parameters `target_parameters` names; None when it names anything else."""
+    names = [p.rpartition(".")[2] for p in params]
+    if any(not p.endswith(f"mlp.experts.{n}") for p, n in zip(params, names, strict=True)):
+        return None
+    return sorted(set(names)) if set(names) <= set(EXPERT_TARGETS) else None
+
+
+def target_modules(
+    names: list[str], wrapped: list[str], unwrapped: list[str], layout: Layout
+) -> list[str] | str:
+    """`target_modules` for adapter_config.json: the short `names`, unless peft would wrap more
+    with them on transformers' model (its tree holds more than ours: a `layout`, e.g. the vision
+    tower; or some `unwrapped` linears share a name); then a regex of exactly the `wrapped`
+    paths (ours), which peft full-matches."""
+    left = [peft_path(p, layout) for p in unwrapped]
+    if not layout and not {p.rsplit(".", 1)[-1] for p in left} & set(names):
+        return names
+    wrapped = [peft_path(p, layout) for p in wrapped]
+    regex = paths_regex(wrapped)
+    if any(re.fullmatch(regex, p) for p in left):  # some layers were left out: list them all
+        regex = "|".join(re.escape(p) for p in wrapped)
+    return regex
+
+
+def paths_regex(paths: Iterable[str]) -> str:
+    """A regex full-matching these module paths at any layer number: one alternative per
+    parent path, its last names grouped."""
+    groups: dict[str, set[str]] = {}
+    for path in paths:
+        parts = [r"\d+" if p.isdigit() else re.escape(p) for p in path.split(".")]
+        groups.setdefault(r"\.".join(parts[:-1]), set()).add(parts[-1])
+    alternatives = []
+    for parent, last in sorted(groups.items()):
+        tail = next(iter(last)) if len(last) == 1 else f"(?:{'|'.join(sorted(last))})"
+        alternatives.append(rf"{parent}\.{tail}" if parent else tail)
+    return "|".join(alternatives)
