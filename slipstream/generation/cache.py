@@ -28,6 +28,12 @@ from slipstream.ops.attention import _sdpa_per_sequence as sdpa_per_sequence
 from slipstream.ops.attention import attend_packed
 from slipstream.ops.packing import SeqInfo
 
+KEY_ALIGN = 16
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
 
 class KVCache:
     """Keys and values of every layer for B rows of up to S positions each."""
@@ -104,13 +110,16 @@ class Decode(_Step):
     """One new token per row at position `pos_B` (device); keys 0..pos_B[b] are visible.
 
     `max_pos` / `min_pos` (host ints, the engine knows them without asking the device) bound
-    the keys read: positions < L = max_pos + 1, and for a sliding layer none before
-    min_pos - window + 1.
+    the keys read: none after max_pos, and for a sliding layer none before
+    min_pos - window + 1 (each end rounded out to a multiple of 16).
     """
 
     def __init__(self, cache: KVCache, pos_B: torch.Tensor, min_pos: int, max_pos: int) -> None:
         super().__init__(cache)
-        self.pos_B, self.min_pos, self.max_pos = pos_B, min_pos, max_pos
+        self.pos_B, self.min_pos = pos_B, min_pos
+        # Keys read: [lo, hi) with both ends on multiples of 16 (CUDA's memory-efficient SDPA
+        # wants the mask's last dim aligned so; the extra keys are masked out).
+        self.hi = min(cache.max_len, _round_up(max_pos + 1, KEY_ALIGN))
         self.rows_B = torch.arange(pos_B.shape[0], device=pos_B.device)
         self.masks: dict[int | None, tuple[int, torch.Tensor]] = {}
 
@@ -119,7 +128,8 @@ class Decode(_Step):
         Built once per step and window, shared by the layers."""
         if window not in self.masks:
             lo = 0 if window is None else max(0, self.min_pos - window + 1)
-            key_L = torch.arange(lo, self.max_pos + 1, device=self.pos_B.device)
+            lo -= lo % KEY_ALIGN
+            key_L = torch.arange(lo, self.hi, device=self.pos_B.device)
             delta_BL = self.pos_B[:, None] - key_L[None, :]
             ok_BL = delta_BL >= 0 if window is None else (delta_BL >= 0) & (delta_BL < window)
             self.masks[window] = (lo, ok_BL[:, None, None, :])
@@ -131,7 +141,7 @@ class Decode(_Step):
         K[self.rows_B, :, self.pos_B] = k_BGD
         V[self.rows_B, :, self.pos_B] = v_BGD
         lo, mask_B11L = self.mask(window)
-        K_BGLD, V_BGLD = K[:, :, lo : self.max_pos + 1], V[:, :, lo : self.max_pos + 1]
+        K_BGLD, V_BGLD = K[:, :, lo : self.hi], V[:, :, lo : self.hi]
         B, H, Dh = q_BHD.shape
         G = K.shape[1]
         # The R query heads that share a kv head attend as R queries of that head: no
