@@ -1,4 +1,9 @@
-"""GGUF import for llama-architecture files (Llama, SmolLM2): HF config, HF-named tensors.
+"""GGUF import: HF config and HF-named tensors from a .gguf file, for every family we train.
+
+llama-architecture files (Llama, SmolLM2, Mistral) are read here, streaming one tensor at a
+time. The others (qwen2, qwen3, qwen3moe, phi3, gemma3) go through transformers' GGUF reader,
+which dequantises and renames them to its own module tree (the whole model in memory); we fill
+in the hyperparameters its key table leaves out (`_fill_config`).
 
 Each tensor is dequantised with the `gguf` package (`gguf.quants.dequantize`) and renamed
 from llama.cpp's names (`blk.N.attn_q.weight`) to Hugging Face Llama names
@@ -154,8 +159,67 @@ def read_gguf(
     one dequantised tensor beyond what the caller keeps.
     """
     reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        return _read_with_transformers(path, reader, arch, dtype)
     config = hf_config_from_gguf(reader)
     return config, _tensors(reader, config, dtype)
+
+
+# transformers' GGUF reader for these llama.cpp architectures -> our families.
+TRANSFORMERS_ARCHS = ("qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
+
+
+def _read_with_transformers(
+    path: str | Path, reader: Any, arch: str, dtype: torch.dtype
+) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
+    if arch not in TRANSFORMERS_ARCHS:
+        why = (
+            " (transformers' GGUF reader cannot parse gpt-oss's RoPE metadata; load the HF "
+            "checkpoint instead)"
+            if arch == "gpt-oss"
+            else ""
+        )
+        supported = ", ".join(("llama", *TRANSFORMERS_ARCHS))
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} cannot be imported{why}; supported: {supported}."
+        )
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    _fill_config(config, reader, arch)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+    parsed = load_gguf_checkpoint(
+        str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype
+    )
+    hf = {**hf_config.to_dict(), "model_type": hf_config.model_type}
+    return hf, iter(parsed["tensors"].items())
+
+
+def _fill_config(config: dict, reader: Any, arch: str) -> None:
+    """Hyperparameters transformers' key table misses (it would take its defaults: head_dim
+    128 for qwen3, moe_intermediate_size 768, Gemma 3's query scale 256)."""
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        config["head_dim"] = int(key_length)
+    expert_width = _field(reader, f"{arch}.expert_feed_forward_length")
+    if arch == "qwen3moe" and expert_width is not None:
+        config["moe_intermediate_size"] = int(expert_width)
+    if arch == "gemma3":
+        # llama.cpp scales queries by 1/sqrt(head_dim) (the 62-layer 27B by 1/sqrt(D/H)).
+        layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+        heads = config["num_attention_heads"]
+        scalar = hidden // heads if layers == 62 else config.get("head_dim", 256)
+        config["query_pre_attn_scalar"] = scalar
+        local = _field(reader, f"{arch}.rope.freq_base_swa")
+        if local is not None:
+            config["rope_local_base_freq"] = float(local)
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if factor is not None and float(factor) != 1.0:
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
 
 
 def gguf_tokenizer(path: str | Path) -> Any:

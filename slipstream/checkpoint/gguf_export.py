@@ -1,0 +1,320 @@
+"""GGUF export: the merged model as one llama.cpp/Ollama file, written from Python.
+
+`export_gguf(model, path, type=...)` folds LoRA into the weights (as `export_merged` does),
+then streams the tensors into a GGUF: two passes over the model, the first for the tensor
+table (names, shapes, types), the second converting and writing one tensor at a time, so
+peak memory is the model plus one converted tensor, never a second copy of the model.
+
+Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1` are quantised by the
+`gguf` package (numpy). The K-quants (`q4_k_m`, `q5_k_m`, `q6_k`, ...) go through llama.cpp's
+own quantizer (`llama_model_quantize` from `llama-cpp-python`, the `slipstream[gguf]` extra):
+we write an exact intermediate GGUF (f32 for a float32 model, bf16 otherwise) beside the
+target and let llama.cpp rewrite it. As llama.cpp's converter does, 1-D tensors (norms,
+biases, sinks) and MoE routers stay f32, and a tensor whose rows do not fill whole quant
+blocks falls back to f16.
+
+The tokenizer goes in under `tokenizer.ggml.*` with its special tokens and chat template:
+copied verbatim from the source GGUF when the model was loaded from one, otherwise built from
+the Hugging Face tokenizer. Every file is written to a temp name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
+from slipstream.checkpoint.gguf_arch import (
+    ARCHS,
+    PRE_TOKENIZER,
+    check_supported,
+    gguf_arch,
+    gguf_tensors,
+    write_metadata,
+)
+
+PURE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# llama.cpp's quantizer: our name -> gguf.LlamaFileType member (llama_ftype has the same values).
+K_TYPES = {
+    "q2_k": "MOSTLY_Q2_K",
+    "q3_k_m": "MOSTLY_Q3_K_M",
+    "q4_k_s": "MOSTLY_Q4_K_S",
+    "q4_k_m": "MOSTLY_Q4_K_M",
+    "q5_k_s": "MOSTLY_Q5_K_S",
+    "q5_k_m": "MOSTLY_Q5_K_M",
+    "q6_k": "MOSTLY_Q6_K",
+}
+GGUF_TYPES = (*PURE_TYPES, *K_TYPES)
+INSTALL_EXTRA = "pip install 'slipstream[gguf]'  (builds llama.cpp: ~N minutes, see README)"
+_FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0",
+              "q5_1": "MOSTLY_Q5_1"}  # fmt: skip
+
+
+def check_type(type: str) -> str:
+    """The type, lower-cased, or a one-line error listing the known ones."""
+    t = type.lower()
+    if t not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {type!r}; one of: {', '.join(GGUF_TYPES)}.")
+    return t
+
+
+def llama_cpp_quantizer() -> Any:
+    """llama-cpp-python's low-level module, or a one-line error naming the install command."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ValueError(
+            f"K-quant GGUF types need llama.cpp's quantizer (llama-cpp-python); run: "
+            f"{INSTALL_EXTRA}, or pick a pure-Python type: {', '.join(PURE_TYPES)}."
+        ) from None
+    return llama_cpp
+
+
+def export_gguf(
+    model: Any, path: str | os.PathLike, type: str = "q8_0", tokenizer: Any = None
+) -> Path:
+    """Merge LoRA (if any) into `model` in place and write it to `path` as one GGUF file.
+
+    `tokenizer`: a transformers tokenizer or its folder; None takes the one in the source
+    GGUF (a model loaded from .gguf). Returns the path written.
+    """
+    t = check_type(type)
+    arch = gguf_arch(model.config.model_type)  # unsupported family: one line, before any work
+    check_supported(model.config)
+    path = Path(path)
+    _check_writable(path)
+    if t in K_TYPES:
+        llama_cpp_quantizer()  # fail before the long part
+    _merge(model)
+    if t not in K_TYPES:
+        atomic_write(path, lambda tmp: _write(model, tmp, t, arch, tokenizer))
+        return path
+    exact = "f32" if next(model.parameters()).dtype == torch.float32 else "bf16"
+    fd, mid = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".{exact}.tmp")
+    os.close(fd)
+    try:
+        _write(model, mid, exact, arch, tokenizer)
+        atomic_write(path, lambda tmp: quantize_with_llama_cpp(mid, tmp, t))
+    finally:
+        Path(mid).unlink(missing_ok=True)
+    return path
+
+
+def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, type: str) -> None:
+    """Rewrite GGUF `src` as `dst` in a K-quant type with llama.cpp's own quantizer."""
+    import gguf
+
+    llama_cpp = llama_cpp_quantizer()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(gguf.LlamaFileType[K_TYPES[type]])
+    params.nthread = max(1, (os.cpu_count() or 1))
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise ValueError(f"llama.cpp could not quantize {src} to {type} (llama_model_quantize: {rc}).")
+
+
+def _check_writable(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"GGUF output {str(path)!r} is a folder; give a file name (model.gguf).")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot write {str(path)!r}: folder {str(parent)!r} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"cannot write {str(path)!r}: folder {str(parent)!r} is not writable.")
+
+
+def _merge(model: Any) -> None:
+    from slipstream.peft.lora import lora_modules, merge_lora
+    from slipstream.peft.lora_experts import expert_lora_modules
+    from slipstream.peft.qlora import dequantize_model, has_4bit_weights
+
+    if has_4bit_weights(model):
+        dequantize_model(model)
+    if [*lora_modules(model), *expert_lora_modules(model)]:
+        merge_lora(model)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], type: str) -> Any:
+    """The GGML type one tensor is stored in for a requested file type."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or type == "f32":
+        return Q.F32
+    qtype = Q[type.upper()]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    return qtype if shape[-1] % block == 0 else Q.F16
+
+
+def _convert(t: torch.Tensor, qtype: Any) -> np.ndarray:
+    import gguf
+
+    x = t.detach().to("cpu", torch.float32).contiguous().numpy()
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return x
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return x.astype(np.float16)
+    return gguf.quants.quantize(x, qtype)
+
+
+def _write(model: Any, out: str, type: str, arch: Any, tokenizer: Any) -> None:
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(_model_name(model))
+    write_metadata(w, cfg, arch)
+    w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPE[type]]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    write_tokenizer(w, model, tokenizer, arch)
+    # Pass 1: the tensor table (llama.cpp reads it before the data).
+    for name, t in gguf_tensors(model):
+        shape = tuple(t.shape)
+        qtype = tensor_type(name, shape, type)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            w.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
+        else:
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+            nbytes = int(np.prod(byte_shape))
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    # Pass 2: the data, one tensor converted at a time.
+    with torch.no_grad():
+        for name, t in gguf_tensors(model):
+            w.write_tensor_data(_convert(t, tensor_type(name, tuple(t.shape), type)))
+    w.close()
+
+
+def _model_name(model: Any) -> str:
+    src = getattr(model, "checkpoint_path", None)
+    return Path(str(src)).stem if src else "slipstream-export"
+
+
+# ---- tokenizer -------------------------------------------------------------------------------
+
+
+def write_tokenizer(w: Any, model: Any, tokenizer: Any, arch: Any) -> None:
+    """tokenizer.ggml.* keys: from the source GGUF when there is one, else the HF tokenizer."""
+    src = getattr(model, "checkpoint_path", None)
+    if tokenizer is None and src is not None and str(src).endswith(".gguf"):
+        copy_tokenizer_fields(w, src)
+        return
+    if tokenizer is None:
+        raise ValueError(
+            "GGUF export needs the tokenizer (llama.cpp and Ollama read it from the file): "
+            "pass tokenizer= (a transformers tokenizer or its folder)."
+        )
+    with tempfile.TemporaryDirectory(prefix="slipstream-tok-") as tmp:
+        folder = Path(tokenizer) if isinstance(tokenizer, str | os.PathLike) else None
+        if folder is None:
+            tokenizer.save_pretrained(tmp)
+            folder = Path(tmp)
+        _write_hf_tokenizer(w, folder, model.config.vocab_size, arch)
+
+
+def copy_tokenizer_fields(w: Any, gguf_path: str | os.PathLike) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
+def _write_hf_tokenizer(w: Any, folder: Path, vocab_size: int, arch: Any) -> None:
+    import gguf
+
+    tok_json = folder / "tokenizer.json"
+    if not tok_json.is_file():
+        raise ValueError(f"GGUF export: the tokenizer in {folder} has no tokenizer.json (fast).")
+    data = json.loads(tok_json.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    byte_level = model.get("type") == "BPE" and not model.get("byte_fallback", False)
+    if byte_level:
+        tokens, types = _bpe_tokens(data)
+        scores = None
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(PRE_TOKENIZER.get(arch.name, "default"))
+    else:  # sentencepiece-style (Llama 2, Mistral, Phi-3, Gemma 3)
+        vocab = (
+            gguf.vocab.SentencePieceVocab(folder)
+            if (folder / "tokenizer.model").is_file()
+            else gguf.vocab.LlamaHfVocab(folder)
+        )
+        entries = list(vocab.all_tokens())
+        tokens = [e[0].decode("utf-8", errors="replace") for e in entries]
+        scores = [float(e[1]) for e in entries]
+        types = [int(e[2]) for e in entries]
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+    if len(tokens) > vocab_size:
+        raise ValueError(
+            f"GGUF export: the tokenizer has {len(tokens)} tokens but the model's vocab_size is "
+            f"{vocab_size}; export with the tokenizer the model was trained with."
+        )
+    for i in range(len(tokens), vocab_size):  # padded embedding rows (e.g. Qwen's)
+        tokens.append(f"[PAD{i}]")
+        types.append(int(gguf.TokenType.UNUSED))
+        if scores is not None:
+            scores.append(-1000.0)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    special = gguf.SpecialVocab(folder, load_merges=byte_level, n_vocab=vocab_size)
+    special.add_to_gguf(w, quiet=True)
+    if special.chat_template is None:
+        template = _chat_template(folder)
+        if template:
+            w.add_chat_template(template)
+
+
+def _bpe_tokens(data: dict) -> tuple[list[str], list[int]]:
+    """Byte-level BPE: the token strings by id; special added tokens CONTROL, other added
+    tokens USER_DEFINED (llama.cpp matches both as whole pieces)."""
+    import gguf
+
+    by_id = {i: s for s, i in data["model"]["vocab"].items()}
+    kinds = {}
+    for a in data.get("added_tokens", []):
+        by_id[a["id"]] = a["content"]
+        kinds[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+    n = max(by_id) + 1
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
+    types = [int(kinds.get(i, gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED))
+             for i in range(n)]  # fmt: skip
+    return tokens, types
+
+
+def _chat_template(folder: Path) -> str | None:
+    cfg = folder / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def write_modelfile(gguf_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """An Ollama Modelfile beside the GGUF: FROM, TEMPLATE (from the chat template), stops."""
+    from slipstream.checkpoint.gguf_modelfile import modelfile_text
+
+    gguf_path = Path(gguf_path)
+    out = Path(out) if out is not None else gguf_path.with_name("Modelfile")
+    return atomic_write_text(out, modelfile_text(gguf_path))
+
+
+__all__ = ["ARCHS", "GGUF_TYPES", "K_TYPES", "PURE_TYPES", "export_gguf", "write_modelfile"]
