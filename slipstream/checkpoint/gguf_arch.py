@@ -69,7 +69,9 @@ def check_supported(cfg: Any) -> None:
     kind = cfg.model_type
     if kind in ("gemma3", "gemma3_text"):
         scalar, hd = float(cfg.query_pre_attn_scalar), cfg.head_dim
-        if scalar != hd and not (cfg.num_hidden_layers == 62 and scalar * cfg.num_attention_heads == cfg.hidden_size):
+        if scalar != hd and not (
+            cfg.num_hidden_layers == 62 and scalar * cfg.num_attention_heads == cfg.hidden_size
+        ):
             raise ValueError(
                 f"GGUF export: gemma3 with query_pre_attn_scalar={scalar:g} != head_dim={hd}: "
                 "llama.cpp scales queries by 1/sqrt(head_dim) (27B excepted), so it would "
@@ -171,11 +173,13 @@ def extra_tensors(cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
         rope = Phi3Rope.from_hf(text_hf(cfg))
         if rope.long_factor is not None:
-            yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", torch.tensor(
-                rope.long_factor, dtype=torch.float32
+            yield (
+                gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight",
+                torch.tensor(rope.long_factor, dtype=torch.float32),
             )
-            yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", torch.tensor(
-                rope.short_factor, dtype=torch.float32
+            yield (
+                gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight",
+                torch.tensor(rope.short_factor, dtype=torch.float32),
             )
     elif cfg.rope.rope_type == "llama3":
         from dataclasses import replace

@@ -117,7 +117,9 @@ def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, type
     params.nthread = max(1, (os.cpu_count() or 1))
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
-        raise ValueError(f"llama.cpp could not quantize {src} to {type} (llama_model_quantize: {rc}).")
+        raise ValueError(
+            f"llama.cpp could not quantize {src} to {type} (llama_model_quantize: {rc})."
+        )
 
 
 def _check_writable(path: Path) -> None:

@@ -1,0 +1,140 @@
+"""GGUF export: every family round-trips through transformers' GGUF loader and our import;
+the tokenizer, special tokens and chat template travel in the file; bad input is one line."""
+
+import os
+
+import pytest
+import torch
+
+from slipstream.checkpoint.gguf_export import GGUF_TYPES, export_gguf
+from slipstream.checkpoint.hf import load_model
+from slipstream.ops.packing import SeqInfo
+from tests.helpers.models import make_hf_model, ours_from_hf
+from tests.helpers.moe_models import make_hf_moe_model
+from tests.helpers.tokenizers import save_test_tokenizer
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320  # the test BPE: 256 bytes + specials + merges
+DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+# transformers' GGUF reader takes config defaults for keys its table lacks: Qwen3's head_dim
+# (128), Qwen3-MoE's moe_intermediate_size (768), Gemma 3's query scale (256 = head_dim here).
+OVERRIDES = {
+    "qwen3": dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1),
+    "gemma3_text": dict(
+        head_dim=256, query_pre_attn_scalar=256, num_attention_heads=2, num_key_value_heads=1
+    ),  # fmt: skip
+}
+# max |logit error| / max |logit| allowed per type (f16: rounding; q8_0: 8-bit blocks).
+TOLERANCE = {"f16": 2e-3, "q8_0": 4e-2}
+SCALE = {"gemma3_text": 2.5}  # Gemma multiplies the embeddings by sqrt(hidden): errors grow
+PROMPT = "Hello, how are you doing today? I am fine, thanks."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = save_test_tokenizer(tmp_path_factory.mktemp("tok"), "chatml", vocab_size=VOCAB)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def tiny_hf(kind: str):
+    if kind == "qwen3_moe":
+        hf = make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, head_dim=128,
+                               num_attention_heads=2, num_key_value_heads=1,
+                               moe_intermediate_size=768)  # fmt: skip
+        with torch.no_grad():  # wide experts: keep their outputs O(1) so q8_0 flips no route
+            for name, p in hf.named_parameters():
+                if "experts" in name:
+                    p.mul_(0.05)
+        return hf
+    return make_hf_model(kind, **{**DENSE, **OVERRIDES.get(kind, {})})
+
+
+@pytest.mark.parametrize("type", ["f16", "q8_0"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma3_text"])
+def test_roundtrip_transformers_and_ours(tmp_path, tokenizer, kind, type):
+    hf = tiny_hf(kind)
+    ours = ours_from_hf(hf)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        path = export_gguf(ours, tmp_path / "m.gguf", type, tokenizer=tokenizer)
+        back = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file="m.gguf", dtype=torch.float32
+        ).eval()
+        theirs = back(ids[None]).logits[0]
+        mine = load_model(path)(ids, SeqInfo.from_lengths([len(ids)]))
+    scale = ref.abs().max()
+    err = (theirs - ref).abs().max() / scale
+    assert err < TOLERANCE[type] * SCALE.get(kind, 1), f"{kind} {type}: relative error {err:.2e}"
+    assert err > 0  # the weights did go through f16/q8_0
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)  # same dequantised weights
+    assert list(tmp_path.glob(".*tmp")) == []
+
+
+def test_q8_0_is_quantized_and_smaller(tmp_path, tokenizer):
+    ours = ours_from_hf(tiny_hf("llama"))
+    f16 = export_gguf(ours, tmp_path / "a.gguf", "f16", tokenizer=tokenizer)
+    q8 = export_gguf(ours, tmp_path / "b.gguf", "q8_0", tokenizer=tokenizer)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(q8)).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    assert os.path.getsize(q8) < 0.75 * os.path.getsize(f16)
+
+
+def test_tokenizer_and_chat_template_travel(tmp_path, tokenizer):
+    ours = ours_from_hf(tiny_hf("qwen2"))
+    path = export_gguf(ours, tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    msgs = [{"role": "user", "content": "Hi there!"}]
+    assert back.chat_template == tokenizer.chat_template
+    assert back.apply_chat_template(msgs, tokenize=False) == tokenizer.apply_chat_template(
+        msgs, tokenize=False
+    )
+    assert back(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+    fields = gguf.GGUFReader(str(path)).fields
+    eos = int(fields["tokenizer.ggml.eos_token_id"].contents())
+    assert eos == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tokenizer, monkeypatch):
+    ours = ours_from_hf(tiny_hf("llama"))
+    with pytest.raises(ValueError, match="unknown GGUF type 'q3_x'; one of: f32, f16"):
+        export_gguf(ours, tmp_path / "m.gguf", "q3_x", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="does not exist"):
+        export_gguf(ours, tmp_path / "no" / "m.gguf", "f16", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="is a folder"):
+        export_gguf(ours, tmp_path, "f16", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        export_gguf(ours, tmp_path / "m.gguf", "f16")
+    ours.config.model_type = "falcon"
+    with pytest.raises(ValueError, match="model_type 'falcon' has no llama.cpp architecture"):
+        export_gguf(ours, tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    ours.config.model_type = "llama"
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # not installed
+    with pytest.raises(ValueError, match=r"pip install 'slipstream\[gguf\]'"):
+        export_gguf(ours, tmp_path / "m.gguf", "q4_k_m", tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_write_leaves_nothing(tmp_path, tokenizer, monkeypatch):
+    from slipstream.checkpoint import gguf_export
+
+    ours = ours_from_hf(tiny_hf("llama"))
+    target = export_gguf(ours, tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    before = target.read_bytes()
+
+    def boom(t, qtype):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_export, "_convert", boom)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(ours, target, "q8_0", tokenizer=tokenizer)
+    assert target.read_bytes() == before  # the old file intact, no temp left
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_types_listed():
+    assert {"f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"} <= set(GGUF_TYPES)
