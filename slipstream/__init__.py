@@ -2,6 +2,7 @@
 
 Public API:
     load_model, save_model, export_merged      HF checkpoints in, HF checkpoints out
+    export_gguf                                 one GGUF for llama.cpp / Ollama (f16 ... q4_k_m)
     SeqInfo                                     packed-batch metadata, built once per batch
     apply_lora, save_adapter, load_adapter, merge_lora    PEFT-compatible adapters
     apply_checkpointing                         recompute / CPU offload of layer inputs
@@ -28,6 +29,7 @@ __all__ = [
     "apply_checkpointing",
     "apply_lora",
     "count_syncs",
+    "export_gguf",
     "export_merged",
     "generate",
     "load_adapter",
@@ -46,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from slipstream.train.loop import train
 
         return train
+    if name == "export_gguf":
+        from slipstream.checkpoint.gguf_export import export_gguf
+
+        return export_gguf
     if name == "apply_checkpointing":
         from slipstream.memory.offload import apply_checkpointing
 

@@ -3,6 +3,7 @@
     slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
     slipstream demo                                LoRA on SmolLM2-135M, no network
     slipstream export ADAPTER_DIR --base MODEL --out DIR
+    slipstream export RUN_OR_ADAPTER_DIR --gguf TYPE [--out FILE]   (or --gguf-adapter)
     slipstream generate MODEL_OR_RUN_DIR "prompt" [--temperature T --top-p P --top-k K ...]
     slipstream generate MODEL_OR_RUN_DIR --input prompts.jsonl --output out.jsonl
     slipstream chat MODEL_OR_RUN_DIR                interactive, replies streamed
@@ -58,10 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo")
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("export", help="merge a LoRA adapter into its base model (HF layout)")
-    p.add_argument("adapter_dir")
-    p.add_argument("--base", required=True, help="base model folder or GGUF file")
-    p.add_argument("--out", required=True, help="folder for the merged model")
+    p = sub.add_parser("export", help="merge a LoRA adapter into its base model (HF or GGUF)")
+    p.add_argument("adapter_dir", help="a LoRA run/adapter folder (or, with --gguf, a model)")
+    p.add_argument("--base", help="base model folder or GGUF file (default: the adapter's)")
+    p.add_argument("--out", help="folder for the merged model; with --gguf, the .gguf file")
+    p.add_argument("--gguf", metavar="TYPE", help="write one GGUF: f16, bf16, q8_0, q4_k_m, ...")
+    p.add_argument("--gguf-adapter", action="store_true",
+                   help="the LoRA alone as a GGUF LoRA (llama.cpp --lora)")  # fmt: skip
     p.set_defaults(run=cmd_export)
 
     from slipstream.generation import commands as gen
@@ -119,6 +123,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.gguf or args.gguf_adapter:
+        return cmd_export_gguf(args)
+    if not args.base or not args.out:
+        raise ValueError(
+            "export to the HF layout needs --base MODEL and --out DIR (or --gguf TYPE)"
+        )
     from slipstream.config import check_output_dir
 
     adapter = Path(args.adapter_dir)
@@ -136,6 +146,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = export_merged(model, args.out, tokenizer=tokenizer)
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
+    return 0
+
+
+def cmd_export_gguf(args: argparse.Namespace) -> int:
+    if args.gguf_adapter:
+        from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+
+        path = export_adapter_gguf(args.adapter_dir, args.out, base=args.base)
+        print(f"slipstream: GGUF LoRA adapter written to {path}")
+        return 0
+    from slipstream.checkpoint.gguf_export import export_run_gguf
+
+    path = export_run_gguf(args.adapter_dir, args.gguf, args.out, base=args.base)
+    size = path.stat().st_size / 2**20
+    print(f"slipstream: {args.gguf} GGUF written to {path} ({size:.1f} MiB), Modelfile beside it")
     return 0
 
 

@@ -3,6 +3,7 @@ the tokenizer, special tokens and chat template travel in the file; bad input is
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +139,89 @@ def test_interrupted_write_leaves_nothing(tmp_path, tokenizer, monkeypatch):
 
 def test_types_listed():
     assert {"f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"} <= set(GGUF_TYPES)
+
+
+@pytest.fixture
+def lora_run(tmp_path, tokenizer):
+    """A tiny llama base (HF folder) and a LoRA run folder (adapter + tokenizer) on it."""
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.peft.lora import apply_lora
+    from tests.helpers.models import randomise_lora_b
+
+    hf = tiny_hf("llama")
+    base = tmp_path / "base"
+    hf.save_pretrained(base)
+    model = load_model(base)
+    apply_lora(model, rank=8, alpha=16, targets="all-linear")
+    randomise_lora_b(model)
+    run = tmp_path / "run"
+    save_adapter(model, run, base_model_name_or_path=str(base))
+    tokenizer.save_pretrained(run)
+    return base, run
+
+
+def test_cli_exports_run_with_modelfile(lora_run, tmp_path, tokenizer):
+    from slipstream.cli import main
+    from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.peft.lora import merge_lora
+
+    base, run = lora_run
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(run), "--gguf", "q8_0", "--out", str(out)]) == 0
+    merged = load_model(base)
+    load_adapter(merged, run)
+    merge_lora(merged)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    seq = SeqInfo.from_lengths([len(ids)])
+    with torch.no_grad():
+        ref, got = merged(ids, seq), load_model(out)(ids, seq)
+        plain = load_model(base)(ids, seq)
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < TOLERANCE["q8_0"]
+    assert (plain - ref).abs().max() > 10 * (got - ref).abs().max()  # the adapter is in it
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./m.gguf\n")
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert 'eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n' in modelfile
+
+
+def test_cli_errors_are_one_line(lora_run, tmp_path, capsys):
+    from slipstream.cli import main
+
+    _, run = lora_run
+    assert main(["export", str(run), "--gguf", "q9"]) == 2
+    assert "unknown GGUF type 'q9'" in capsys.readouterr().err
+    assert main(["export", str(run), "--gguf", "f16", "--out", "/proc/x.gguf"]) == 2
+    assert "not writable" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), "--gguf", "f16"]) == 2
+    assert "neither an adapter" in capsys.readouterr().err
+
+
+def test_gguf_lora_applied_to_base_equals_merged(lora_run, tmp_path):
+    """llama.cpp's rule (W + alpha/r * B @ A, on the f32 GGUF tensors) gives the merged file."""
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.cli import main
+
+    base, run = lora_run
+    assert main(["export", str(run), "--gguf", "f32", "--out", str(tmp_path / "merged.gguf")]) == 0
+    base_model = load_model(base)
+    export_gguf(base_model, tmp_path / "base.gguf", "f32", tokenizer=str(run))
+    lora = export_adapter_gguf(run, tmp_path / "lora.gguf")
+
+    def tensors(p):
+        return {t.name: np.array(t.data) for t in gguf.GGUFReader(str(p)).tensors}
+
+    merged, plain, ab = (
+        tensors(tmp_path / "merged.gguf"),
+        tensors(tmp_path / "base.gguf"),
+        tensors(lora),
+    )
+    fields = gguf.GGUFReader(str(lora)).fields
+    assert fields["general.type"].contents() == "adapter"
+    alpha = float(fields["adapter.lora.alpha"].contents())
+    adapted = [n.removesuffix(".lora_a") for n in ab if n.endswith(".lora_a")]
+    assert "blk.0.attn_q.weight" in adapted and "blk.1.ffn_down.weight" in adapted
+    for name in adapted:
+        a, b = ab[name + ".lora_a"], ab[name + ".lora_b"]
+        applied = plain[name] + alpha / a.shape[0] * (b @ a)
+        np.testing.assert_allclose(applied, merged[name], atol=1e-5, err_msg=name)

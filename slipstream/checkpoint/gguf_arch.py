@@ -193,16 +193,11 @@ def extra_tensors(cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def hf_named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The language model's tensors under transformers' text-model names (no vision tower)."""
-    from slipstream.models import family_for
+    """The language model's tensors under transformers' text-model names (no vision tower):
+    the family's weight map (models/weights.py) without a multimodal layout's prefixes."""
+    from slipstream.models import weight_map
 
-    family = family_for(model.config.model_type)
-    custom = getattr(family, "hf_tensors", None)
-    if custom is not None:
-        yield from custom(model)
-    else:
-        for name, p in model.named_parameters():
-            yield name, p.detach()
+    yield from weight_map(model.config).hf_state(model)
 
 
 def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:

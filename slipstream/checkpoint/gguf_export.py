@@ -128,8 +128,15 @@ def _check_writable(path: Path) -> None:
     parent = path.parent
     if not parent.is_dir():
         raise ValueError(f"cannot write {str(path)!r}: folder {str(parent)!r} does not exist.")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"cannot write {str(path)!r}: folder {str(parent)!r} is not writable.")
+    try:  # a real probe: permission bits say nothing for root or read-only mounts
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ValueError(
+            f"cannot write {str(path)!r}: folder {str(parent)!r} is not writable ({why})."
+        ) from None
 
 
 def _merge(model: Any) -> None:
@@ -209,8 +216,12 @@ def _model_name(model: Any) -> str:
 def write_tokenizer(w: Any, model: Any, tokenizer: Any, arch: Any) -> None:
     """tokenizer.ggml.* keys: from the source GGUF when there is one, else the HF tokenizer."""
     src = getattr(model, "checkpoint_path", None)
-    if tokenizer is None and src is not None and str(src).endswith(".gguf"):
-        copy_tokenizer_fields(w, src)
+    if src is not None and str(src).endswith(".gguf"):
+        # llama.cpp's own tokenizer fields, exact; the run's chat template if it set one.
+        template = getattr(tokenizer, "chat_template", None)
+        copy_tokenizer_fields(w, src, skip=("tokenizer.chat_template",) if template else ())
+        if template:
+            w.add_chat_template(template)
         return
     if tokenizer is None:
         raise ValueError(
@@ -225,12 +236,12 @@ def write_tokenizer(w: Any, model: Any, tokenizer: Any, arch: Any) -> None:
         _write_hf_tokenizer(w, folder, model.config.vocab_size, arch)
 
 
-def copy_tokenizer_fields(w: Any, gguf_path: str | os.PathLike) -> None:
+def copy_tokenizer_fields(w: Any, gguf_path: str | os.PathLike, skip: tuple = ()) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
+        if not key.startswith("tokenizer.") or key in skip:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
@@ -320,3 +331,52 @@ def write_modelfile(gguf_path: str | os.PathLike, out: str | os.PathLike | None 
 
 
 __all__ = ["ARCHS", "GGUF_TYPES", "K_TYPES", "PURE_TYPES", "export_gguf", "write_modelfile"]
+
+
+def export_run_gguf(
+    source: str | os.PathLike, type: str, out: str | os.PathLike | None = None,
+    base: str | None = None,
+) -> Path:  # fmt: skip
+    """`slipstream export SRC --gguf TYPE`: a LoRA run/adapter folder (merged into its base) or
+    a full-model folder, as one GGUF plus an Ollama Modelfile beside it."""
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.train.setup import load_tokenizer
+
+    t = check_type(type)
+    src = Path(source)
+    adapter = (src / "adapter_config.json").is_file()
+    if not adapter and not (src / "config.json").is_file():
+        raise ValueError(f"{src}: neither an adapter (adapter_config.json) nor a model folder.")
+    path = Path(out) if out is not None else src / f"{src.resolve().name}.{t}.gguf"
+    if adapter:
+        base = base or _adapter_base(src)
+    model_source = base if adapter else str(src)
+    kind = _model_type(model_source)
+    if kind is not None:
+        gguf_arch(kind)  # an unsupported family fails before loading
+    _check_writable(path)
+    if t in K_TYPES:
+        llama_cpp_quantizer()
+    has_tokenizer = any(src.glob("tokenizer*"))
+    tokenizer = load_tokenizer(str(src) if has_tokenizer else model_source)
+    model = load_model(model_source)
+    if adapter:
+        load_adapter(model, src)
+    export_gguf(model, path, t, tokenizer=tokenizer)
+    write_modelfile(path)
+    return path
+
+
+def _adapter_base(adapter: Path) -> str:
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    base = cfg.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter}/adapter_config.json names no base model; pass --base MODEL")
+    return base
+
+
+def _model_type(source: str) -> str | None:
+    """config.json's model_type; None for a GGUF or hub id (export_gguf checks after load)."""
+    cfg = Path(source) / "config.json"
+    return json.loads(cfg.read_text()).get("model_type", "") if cfg.is_file() else None

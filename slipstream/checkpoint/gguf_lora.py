@@ -1,0 +1,126 @@
+"""A PEFT LoRA adapter as a GGUF LoRA: llama.cpp's `--lora FILE`, Ollama's `ADAPTER`.
+
+The file holds, per adapted matrix, `<llama.cpp name>.lora_a` (r, in) and `.lora_b` (out, r),
+float32, with `adapter.lora.alpha`; llama.cpp adds (alpha / r) * B @ A to the base weight, as
+PEFT does. Only the adapter is read (plus the base's config for the architecture and head
+counts), never the base weights. rsLoRA's scale alpha / sqrt(r) is written as the alpha that
+gives it; layouts follow the base export (llama's Q/K row permutation applies to B's rows).
+DoRA and LoRA on MoE experts have no GGUF LoRA form: one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_arch import ARCHS, gguf_arch, permute_rotary
+
+PEFT_PREFIX = "base_model.model."
+
+
+def export_adapter_gguf(
+    adapter_dir: str | os.PathLike, out: str | os.PathLike | None = None, base: str | None = None
+) -> Path:
+    """Write `adapter_dir`'s LoRA as a GGUF LoRA file; returns its path."""
+    import torch
+    from safetensors.torch import load_file
+
+    src = Path(adapter_dir)
+    cfg_path = src / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"no adapter_config.json in {str(src)!r} (is it an adapter folder?)")
+    acfg = json.loads(cfg_path.read_text())
+    if acfg.get("use_dora"):
+        raise ValueError(
+            "GGUF LoRA: a DoRA adapter has no llama.cpp form; export it merged (--gguf)."
+        )
+    base = base or acfg.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{cfg_path} names no base model; pass --base MODEL")
+    cfg = _base_config(base)
+    arch = gguf_arch(cfg.model_type)
+    path = Path(out) if out is not None else src / "adapter.gguf"
+    from slipstream.checkpoint.gguf_export import _check_writable
+
+    _check_writable(path)
+    rank = int(acfg["r"])
+    alpha = float(acfg.get("lora_alpha", rank))
+    if acfg.get("use_rslora"):
+        alpha = alpha * math.sqrt(rank)  # llama.cpp scales by alpha / r
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    pairs = _pairs(weights, cfg, arch)
+
+    def write(tmp: str) -> None:
+        import gguf
+
+        w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", alpha)
+        for name, (a, b) in pairs.items():
+            w.add_tensor(f"{name}.lora_a", a.to(torch.float32).numpy())
+            w.add_tensor(f"{name}.lora_b", b.to(torch.float32).numpy())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return atomic_write(path, write)
+
+
+def _base_config(base: str) -> Any:
+    """The base's ModelConfig from config.json or GGUF metadata (no weights read)."""
+    from slipstream.models import family_for
+
+    if str(base).endswith(".gguf"):
+        from slipstream.checkpoint.gguf import read_gguf
+
+        hf, _ = read_gguf(base)  # the tensor iterator is lazy: never started
+    else:
+        from slipstream.checkpoint.hf import _resolve_folder, read_config
+
+        hf = read_config(_resolve_folder(base))
+    return family_for(hf.get("model_type")).config_from_hf(hf)
+
+
+def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:
+    import gguf
+
+    from slipstream.models import weight_map
+    from slipstream.models.weights import from_hf_name
+
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    layouts = weight_map(cfg).layouts
+    kind = ARCHS[cfg.model_type]
+    pairs: dict[str, list] = {}
+    for key, t in weights.items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            raise ValueError(f"GGUF LoRA: adapter tensor {key!r} is not a LoRA A/B matrix.")
+        module = key.removeprefix(PEFT_PREFIX).split(".lora_")[0]
+        if layouts:
+            module = from_hf_name(module, layouts) or module
+        if ".experts" in module:
+            raise ValueError(
+                "GGUF LoRA: LoRA on MoE experts has no llama.cpp form; export it merged (--gguf)."
+            )
+        gname = names.get_name(module + ".weight", try_suffixes=(".weight",))
+        if gname is None:
+            raise ValueError(f"GGUF LoRA: no llama.cpp name for adapted module {module!r}.")
+        slot = pairs.setdefault(gname, [None, None])
+        slot[0 if ".lora_A." in key else 1] = t
+        if ".lora_B." in key and kind == "LLAMA":
+            if module.endswith("q_proj"):
+                slot[1] = permute_rotary(t, cfg.num_attention_heads)
+            elif module.endswith("k_proj"):
+                slot[1] = permute_rotary(t, cfg.num_key_value_heads)
+    for name, (a, b) in pairs.items():
+        if a is None or b is None:
+            raise ValueError(f"GGUF LoRA: {name} has only one of lora_A/lora_B.")
+    return {k: (a, b) for k, (a, b) in pairs.items()}
+
+
+__all__ = ["export_adapter_gguf"]
