@@ -161,8 +161,8 @@ def lora_run(tmp_path, tokenizer):
 
 
 def test_cli_exports_run_with_modelfile(lora_run, tmp_path, tokenizer):
-    from slipstream.cli import main
     from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.cli import main
     from slipstream.peft.lora import merge_lora
 
     base, run = lora_run

@@ -339,8 +339,8 @@ def export_run_gguf(
 ) -> Path:  # fmt: skip
     """`slipstream export SRC --gguf TYPE`: a LoRA run/adapter folder (merged into its base) or
     a full-model folder, as one GGUF plus an Ollama Modelfile beside it."""
-    from slipstream.checkpoint.hf import load_model
     from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.checkpoint.hf import load_model
     from slipstream.train.setup import load_tokenizer
 
     t = check_type(type)
