@@ -137,8 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_output_dir(args.out)
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
     from slipstream.checkpoint.export import export_merged
-    from slipstream.checkpoint.hf import load_model
-    from slipstream.train.setup import load_tokenizer
+    from slipstream.checkpoint.hf import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source(adapter, args.base))
     model = load_model(args.base)

@@ -67,10 +67,11 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     import torch
 
     from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
+    from slipstream.checkpoint.hf import resolve_device
     from slipstream.config import config_from_dict
     from slipstream.generation import chat_reply
     from slipstream.train.loop import train
-    from slipstream.train.setup import build_model, resolve_device, seed_everything
+    from slipstream.train.setup import build_model, seed_everything
 
     out = getattr(args, "output_dir", None) or DEFAULT_OUT
     gguf = smollm2_gguf_path()  # one-line error with the install command if missing

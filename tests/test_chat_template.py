@@ -11,9 +11,10 @@ import pytest
 from helpers.runs import run_config
 from helpers.tokenizers import CHATML_TEMPLATE
 
+from slipstream.checkpoint.hf import load_tokenizer
 from slipstream.config import config_from_dict
 from slipstream.train import train
-from slipstream.train.setup import build_data, load_tokenizer, set_chat_template
+from slipstream.train.setup import build_data, set_chat_template
 
 
 @pytest.fixture

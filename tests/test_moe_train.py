@@ -132,8 +132,9 @@ def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
 
 def test_aux_loss_micro_batch_has_no_host_sync(moe_run, tmp_path):
     """LoRA all-linear (experts too) + aux loss: forward and backward of a window, no sync."""
+    from slipstream.checkpoint.hf import load_tokenizer
     from slipstream.data import collate
-    from slipstream.train.setup import build_data, load_tokenizer
+    from slipstream.train.setup import build_data
 
     family, model_dir, _ = moe_run
     cfg = config_from_dict(_config(moe_run, tmp_path, router_aux_loss_coef=0.01))

@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,6 +40,41 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def default_dtype(device: torch.device) -> torch.dtype:
     """float32 on CPU (no native bf16 on most CPUs); bf16 on accelerators."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer (from its folder, or the one stored in a GGUF file)."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"model.path: GGUF file not found: {p}")
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
+        raise ValueError(f"model.path: no tokenizer files (tokenizer.json ...) in '{p}'")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
 
 
 def load_model(

@@ -41,8 +41,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def load(args: argparse.Namespace):
     """(model, tokenizer) of a model folder, or of an adapter folder on its base model."""
     from slipstream.checkpoint.adapter import adapter_base, load_adapter, tokenizer_source
-    from slipstream.checkpoint.hf import load_model
-    from slipstream.train.setup import load_tokenizer, resolve_device, resolve_dtype
+    from slipstream.checkpoint.hf import load_model, load_tokenizer, resolve_device, resolve_dtype
 
     src = Path(args.model)
     adapter = src if (src / "adapter_config.json").is_file() else None

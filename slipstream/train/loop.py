@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from slipstream import distributed as dist
+from slipstream.checkpoint.hf import load_tokenizer, resolve_device
 from slipstream.config import RunConfig, check_output_dir, write_resolved_config
 from slipstream.models.moe_block import (
     moe_aux_loss,
@@ -54,9 +55,7 @@ from slipstream.train.optim import build_optimizer, build_schedule
 from slipstream.train.setup import (
     build_data,
     build_model,
-    load_tokenizer,
     report_dict,
-    resolve_device,
     save_result,
     seed_everything,
     set_chat_template,

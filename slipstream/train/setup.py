@@ -16,6 +16,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import atomic_write_files
+from slipstream.checkpoint.hf import resolve_dtype
 from slipstream.config import RunConfig
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 
@@ -145,23 +146,6 @@ def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfi
         atomic_write_files(out, tokenizer.save_pretrained)
 
 
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer (from its folder, or the one stored in a GGUF file)."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"model.path: GGUF file not found: {p}")
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
-        raise ValueError(f"model.path: no tokenizer files (tokenizer.json ...) in '{p}'")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
-
-
 def set_chat_template(tokenizer: Any, template: str | None) -> None:
     """data.chat_template (a .jinja file, or the template itself) replaces the tokenizer's;
     checked once on a two-turn chat, so a broken template is one error, not every row
@@ -184,24 +168,6 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
         raise ValueError(f"data.chat_template does not render a chat: {e}") from None
     if "Hello" not in text:
         raise ValueError("data.chat_template renders a chat without the assistant's message")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def seed_everything(seed: int) -> None:
