@@ -340,8 +340,7 @@ def export_run_gguf(
     """`slipstream export SRC --gguf TYPE`: a LoRA run/adapter folder (merged into its base) or
     a full-model folder, as one GGUF plus an Ollama Modelfile beside it."""
     from slipstream.checkpoint.adapter import load_adapter
-    from slipstream.checkpoint.hf import load_model
-    from slipstream.train.setup import load_tokenizer
+    from slipstream.checkpoint.hf import load_model, load_tokenizer
 
     t = check_type(type)
     src = Path(source)
