@@ -190,7 +190,7 @@ def test_regional_compile_matches_eager_and_shares_graphs(hf_dir, monkeypatch):
         # (the frozen embedding's output) needs none: 3 variants shared by all layers. With
         # the window read in forward, sliding and full layers each had their own (5 here),
         # and a new batch length then ran into dynamo's recompile limit (8).
-        entries = _debug_get_cache_entry_list(gemma3.Gemma3Attention.forward.__code__)
+        entries = _debug_get_cache_entry_list(gemma3.Attention.forward.__code__)
         assert len(entries) == 3
     finally:
         torch._dynamo.reset()

@@ -1,5 +1,10 @@
-"""Building blocks shared by the model families: config, RMSNorm, attention, SwiGLU MLP,
-decoder layer and the causal LM shell.
+"""Building blocks shared by the model families: config, RMSNorm, attention, gated MLP,
+decoder layer, backbone and the causal LM shell.
+
+A family composes them: it passes what differs as constructor arguments (biases, q/k norms,
+the norm class, an embedding module, the layers) and overrides a method only where a step
+differs (fused projections, sink attention, several RoPE tables). Nothing is deleted or
+replaced after construction.
 
 Layout is the flat packed one: hidden states are (T, D) with no batch dimension; a `SeqInfo`
 carries the sequence boundaries. Module and parameter names mirror Hugging Face's, so for the
@@ -11,6 +16,7 @@ N labelled positions (the rows `loss` sends through the LM head when given them)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,23 +85,38 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE over packed sequences."""
+    """Grouped-query attention with RoPE over packed sequences.
 
-    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
+    Families vary it by constructor arguments (biases; `q_norm`/`k_norm`, modules over each
+    head's Dh features applied before RoPE; the softmax `scale`) or by overriding one step:
+    `make_qkv_proj` + `project_qkv` (fused projections), `attend` (sink logits).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        window: int | None = None,
+        *,
+        bias: bool | None = None,
+        o_bias: bool | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        scale: float | None = None,
+    ) -> None:
         super().__init__()
-        D, H, G, Dh = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.num_heads, self.num_kv_heads, self.head_dim = H, G, Dh
-        self.window = window
-        bias = cfg.attention_bias
+        D, H, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, cfg.num_key_value_heads, Dh
+        self.window, self.scale = window, scale
+        bias = cfg.attention_bias if bias is None else bias
+        self.make_qkv_proj(D, bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=bias if o_bias is None else o_bias)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def make_qkv_proj(self, D: int, bias: bool) -> None:
+        H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = nn.Linear(D, H * Dh, bias=bias)
         self.k_proj = nn.Linear(D, G * Dh, bias=bias)
         self.v_proj = nn.Linear(D, G * Dh, bias=bias)
-        self.o_proj = nn.Linear(H * Dh, D, bias=bias)
 
     def project_qkv(self, x_TD: torch.Tensor):
         T = x_TD.shape[0]
@@ -106,6 +127,8 @@ class Attention(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
         q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
+        if self.q_norm is not None:
+            q_THD, k_TGD = self.q_norm(q_THD), self.k_norm(k_TGD)
         q_THD, k_TGD = apply_rope(q_THD, cos_sin), apply_rope(k_TGD, cos_sin)
         o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
         return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
@@ -115,28 +138,36 @@ class Attention(nn.Module):
         # `self.window` is read here, outside regional compile's graph (compile.py): read in
         # `forward` it is a guard, and sliding and full layers compiled a variant each (6
         # graphs instead of 5 for a 4-layer Qwen3 with LoRA), nearer dynamo's limit of 8.
-        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window)
+        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=self.scale)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with the default `act`, GeGLU with gelu."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, act: Callable = F.silu) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = act
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+    `norm(dim, eps)` builds both norms (RMSNorm unless the family's differs).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module, norm: Callable = RMSNorm
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
     def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
@@ -145,38 +176,70 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Embeddings, the decoder layers, the final norm (HF's `model.` prefix)."""
+    """Embeddings, the decoder layers, the final norm (HF's `model.` prefix).
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    `embed_tokens` defaults to a plain nn.Embedding, `norm(dim, eps)` to RMSNorm. One RoPE
+    (`cfg.rope`) serves every layer; a family with several overrides `rope_tables`.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[nn.Module],
+        norm: Callable = RMSNorm,
+        embed_tokens: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embed_tokens or nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope_config, self.head_dim = cfg.rope, cfg.head_dim
         inv_freq, self.rope_scale = rope_inv_freq(cfg.rope, cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_rope(self) -> None:
-        """Recompute the RoPE buffer (after `to_empty` left it uninitialised)."""
+        """Recompute the RoPE buffers (after `to_empty` left them uninitialised)."""
         inv_freq, self.rope_scale = rope_inv_freq(self.rope_config, self.head_dim)
         self.inv_freq.copy_(inv_freq)
 
+    def rope_tables(self, seq: SeqInfo, dtype: torch.dtype) -> list:
+        """One (cos, sin) pair per layer; each distinct pair built once per forward."""
+        cos_sin = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
+        return [cos_sin] * len(self.layers)
+
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         x_TD = self.embed_tokens(input_ids_T)
-        # Built once per forward, shared by every layer.
-        cos_sin = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, x_TD.dtype)
-        for layer in self.layers:
+        for layer, cos_sin in zip(self.layers, self.rope_tables(seq, x_TD.dtype), strict=True):
             x_TD = layer(x_TD, seq, cos_sin)
         return self.norm(x_TD)
+
+
+def sliding_windows(
+    window: int | None, layer_types: Sequence[str], num_layers: int
+) -> list[int | None]:
+    """Per-layer attention window: `window` on the layers `layer_types` marks
+    'sliding_attention', None (full causal) on 'full_attention' ones; checked at load."""
+    if window is not None and not (isinstance(window, int) and window > 0):
+        raise ValueError(
+            f"config.json: sliding_window={window!r} must be a positive integer or null."
+        )
+    n, other = len(layer_types), set(layer_types) - {"full_attention", "sliding_attention"}
+    if n != num_layers or other:
+        problem = f"{n} entries but num_hidden_layers is {num_layers}" if n != num_layers else ""
+        raise ValueError(
+            f"config.json: layer_types has {problem or f'unknown kinds {sorted(other)}'}; "
+            "each is 'full_attention' or 'sliding_attention'."
+        )
+    return [window if t == "sliding_attention" else None for t in layer_types]
 
 
 class CausalLM(nn.Module):
     """`model(input_ids, seq)` -> logits (T, V); `model.loss(...)` without full fp32 logits."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, backbone: Backbone) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, layers)
+        self.model = backbone
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

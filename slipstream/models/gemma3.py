@@ -27,6 +27,7 @@ Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, F mlp width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.common import Attention, Backbone, CausalLM, ModelConfig, base_config_from_hf
+from slipstream.models.common import (
+    Attention,
+    Backbone,
+    CausalLM,
+    GatedMLP,
+    ModelConfig,
+    base_config_from_hf,
+    sliding_windows,
+)
 from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
 from slipstream.models.weights import WeightMap
-from slipstream.ops.attention import attend
 from slipstream.ops.packing import SeqInfo
 
 # Gemma3TextConfig's defaults for the keys a config.json may leave out (the published 1B one
@@ -170,13 +178,9 @@ def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
     default = [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(L)
     ]
-    types = hf.get("layer_types") or default
-    if len(types) != L or not set(types) <= {"full_attention", "sliding_attention"}:
-        raise ValueError(
-            f"config.json: layer_types must list {L} entries (num_hidden_layers), each "
-            f"'full_attention' or 'sliding_attention'; got {types}."
-        )
-    return tuple(types)
+    types = tuple(hf.get("layer_types") or default)
+    sliding_windows(hf["sliding_window"], types, L)  # the checks, at load
+    return types
 
 
 class Gemma3RMSNorm(nn.Module):
@@ -193,51 +197,33 @@ class Gemma3RMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(Attention):
-    """GQA with per-head q/k norms and the query_pre_attn_scalar**-0.5 scale."""
+class ScaledEmbedding(nn.Embedding):
+    """Embeddings times sqrt(D) as the embedding dtype holds it (transformers multiplies by
+    a tensor of that dtype), looked up by dtype in forward: rounding there would be a host
+    read. The tied LM head reads `weight` unscaled."""
 
-    def __init__(self, cfg: Gemma3Config, window: int | None) -> None:
-        super().__init__(cfg, window)
-        self.q_norm = Gemma3RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = Gemma3RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.query_pre_attn_scalar**-0.5
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__(num_embeddings, dim)
+        root = torch.tensor(dim**0.5, dtype=torch.float32, device="cpu")
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        self.scale = {dt: root.to(dt).item() for dt in dtypes}
 
-    def project_qkv(self, x_TD: torch.Tensor):
-        q_THD, k_TGD, v_TGD = super().project_qkv(x_TD)
-        return self.q_norm(q_THD), self.k_norm(k_TGD), v_TGD
-
-    @torch.compiler.disable
-    def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
-        # Measured before the window moved out of `forward` (models/common.py): 5 compiled
-        # variants instead of 3 under LoRA + offload, at dynamo's limit of 8 once a batch
-        # length recompiled them too.
-        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=self.scale)
-
-
-class GeGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, approximate: str = "tanh") -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.approximate = approximate
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_TF = F.gelu(self.gate_proj(x_TD), approximate=self.approximate)
-        return self.down_proj(gate_TF * self.up_proj(x_TD))
+    def forward(self, input_ids_T: torch.Tensor) -> torch.Tensor:
+        x_TD = super().forward(input_ids_T)
+        return x_TD * self.scale.get(x_TD.dtype, self.scale[torch.float32])
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: x + post_norm(attn(norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, cfg: Gemma3Config, window: int | None) -> None:
+    def __init__(self, cfg: Gemma3Config, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = Gemma3RMSNorm(D, eps)
-        self.self_attn = Gemma3Attention(cfg, window)
+        self.self_attn = self_attn
         self.post_attention_layernorm = Gemma3RMSNorm(D, eps)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(D, eps)
-        self.mlp = GeGLU(D, cfg.intermediate_size, cfg.gelu_approximate)
+        self.mlp = mlp
         self.post_feedforward_layernorm = Gemma3RMSNorm(D, eps)
 
     def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
@@ -248,55 +234,48 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Backbone(Backbone):
-    """Scaled embeddings, the layers, the final norm; a global and a local RoPE."""
+    """Scaled embeddings, Gemma norms, and two RoPEs: global (the inherited `inv_freq`) on
+    full layers, local on sliding ones."""
 
     def __init__(self, cfg: Gemma3Config, layers: list[nn.Module]) -> None:
-        super().__init__(cfg, layers)  # the global RoPE is the inherited `inv_freq`
-        self.norm = Gemma3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        embed = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
+        super().__init__(cfg, layers, norm=Gemma3RMSNorm, embed_tokens=embed)
         self.local_rope = cfg.local_rope
         local_inv_freq, self.local_rope_scale = rope_inv_freq(cfg.local_rope, cfg.head_dim)
         self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
         self.sliding = [t == "sliding_attention" for t in cfg.layer_types]
-        # sqrt(D) as the embedding dtype holds it (transformers multiplies by a tensor of
-        # that dtype), looked up by dtype in forward: rounding there would be a host read.
-        root = cfg.hidden_size**0.5
-        self.embed_scale = {
-            dt: torch.tensor(root, dtype=torch.float32, device="cpu").to(dt).item()
-            for dt in (torch.float32, torch.bfloat16, torch.float16)
-        }
 
     def reset_rope(self) -> None:
         super().reset_rope()
         local_inv_freq, self.local_rope_scale = rope_inv_freq(self.local_rope, self.head_dim)
         self.local_inv_freq.copy_(local_inv_freq)
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        x_TD = self.embed_tokens(input_ids_T)
-        x_TD = x_TD * self.embed_scale.get(x_TD.dtype, self.embed_scale[torch.float32])
-        # Each RoPE built once per forward, shared by every layer of its type.
+    def rope_tables(self, seq: SeqInfo, dtype: torch.dtype) -> list:
+        """Each RoPE built once per forward, shared by every layer of its type."""
         pos_T = seq.position_ids
-        full = rope_cos_sin(pos_T, self.inv_freq, self.rope_scale, x_TD.dtype)
-        local = rope_cos_sin(pos_T, self.local_inv_freq, self.local_rope_scale, x_TD.dtype)
-        for layer, sliding in zip(self.layers, self.sliding, strict=True):
-            x_TD = layer(x_TD, seq, local if sliding else full)
-        return self.norm(x_TD)
-
-
-class Gemma3CausalLM(CausalLM):
-    def __init__(self, cfg: Gemma3Config, layers: list[nn.Module]) -> None:
-        super().__init__(cfg, layers)
-        # Replaces the plain Backbone the parent built (free on the meta device, where
-        # load_model builds); the layers are the same modules.
-        self.model = Gemma3Backbone(cfg, layers)
+        full = rope_cos_sin(pos_T, self.inv_freq, self.rope_scale, dtype)
+        local = rope_cos_sin(pos_T, self.local_inv_freq, self.local_rope_scale, dtype)
+        return [local if sliding else full for sliding in self.sliding]
 
 
 def build(cfg: Gemma3Config) -> CausalLM:
-    window = cfg.sliding_window
+    Dh, eps = cfg.head_dim, cfg.rms_norm_eps
+    gelu = functools.partial(F.gelu, approximate=cfg.gelu_approximate)
     layers = [
-        Gemma3DecoderLayer(cfg, window if t == "sliding_attention" else None)
-        for t in cfg.layer_types
+        Gemma3DecoderLayer(
+            cfg,
+            Attention(
+                cfg,
+                window,
+                q_norm=Gemma3RMSNorm(Dh, eps),
+                k_norm=Gemma3RMSNorm(Dh, eps),
+                scale=cfg.query_pre_attn_scalar**-0.5,
+            ),
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=gelu),
+        )
+        for window in sliding_windows(cfg.sliding_window, cfg.layer_types, cfg.num_hidden_layers)
     ]
-    return Gemma3CausalLM(cfg, layers)
+    return CausalLM(cfg, Gemma3Backbone(cfg, layers))
 
 
 class Gemma3Weights(WeightMap):

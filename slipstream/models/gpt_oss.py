@@ -33,11 +33,13 @@ from torch import nn
 
 from slipstream.models.common import (
     Attention,
+    Backbone,
     CausalLM,
     DecoderLayer,
     ModelConfig,
     RMSNorm,
     base_config_from_hf,
+    sliding_windows,
 )
 from slipstream.models.moe_block import (
     MoEBlock,
@@ -76,11 +78,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
         hf["rope_parameters"] = {**DEFAULT_ROPE, "rope_theta": hf.get("rope_theta", 150000.0)}
     num_experts_from_hf(hf)
-    return base_config_from_hf(
+    cfg = base_config_from_hf(
         hf,
         attention_bias=bool(hf.get("attention_bias", True)),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
     )
+    layer_windows(cfg)  # a malformed layer_types fails at load, not at build
+    return cfg
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -163,26 +167,15 @@ def layer_windows(cfg: ModelConfig) -> list[int | None]:
     """`sliding_window` on the layers `layer_types` marks sliding (default: even layers)."""
     hf, L = cfg.hf, cfg.num_hidden_layers
     default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
-    types = hf.get("layer_types") or default
-    if len(types) != L:
-        raise ValueError(
-            f"config.json: layer_types has {len(types)} entries but num_hidden_layers is {L}."
-        )
-    window = hf.get("sliding_window")
-    return [window if t == "sliding_attention" and window else None for t in types]
+    return sliding_windows(hf.get("sliding_window"), hf.get("layer_types") or default, L)
 
 
 def build(cfg: ModelConfig) -> CausalLM:
-    D, eps = cfg.hidden_size, cfg.rms_norm_eps
-    layers = []
-    for window in layer_windows(cfg):
-        layer = DecoderLayer(cfg, GptOssAttention(cfg, window), GptOssMLP(cfg))
-        layer.input_layernorm = GptOssRMSNorm(D, eps)
-        layer.post_attention_layernorm = GptOssRMSNorm(D, eps)
-        layers.append(layer)
-    model = CausalLM(cfg, layers)
-    model.model.norm = GptOssRMSNorm(D, eps)
-    return model
+    layers = [
+        DecoderLayer(cfg, GptOssAttention(cfg, window), GptOssMLP(cfg), norm=GptOssRMSNorm)
+        for window in layer_windows(cfg)
+    ]
+    return CausalLM(cfg, Backbone(cfg, layers, norm=GptOssRMSNorm))
 
 
 # ------------------------------------------------------------------- MXFP4 weights

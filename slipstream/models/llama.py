@@ -13,40 +13,40 @@ from typing import Any
 
 from slipstream.models.common import (
     Attention,
+    Backbone,
     CausalLM,
     DecoderLayer,
+    GatedMLP,
     ModelConfig,
-    SwiGLU,
     base_config_from_hf,
+    sliding_windows,
 )
 from slipstream.models.weights import WeightMap
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    window = attention_window(hf)
-    if window is not None and not (isinstance(window, int) and window > 0):
-        raise ValueError(
-            f"config.json: sliding_window={window!r} must be a positive integer or null."
-        )
-    return base_config_from_hf(hf)
+    cfg = base_config_from_hf(hf)
+    layer_windows(cfg)  # a malformed sliding_window fails at load, not at build
+    return cfg
 
 
-def attention_window(hf: dict[str, Any]) -> int | None:
-    """Mistral's `sliding_window` (every layer), else None; Llama has no window."""
-    return hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+def layer_windows(cfg: ModelConfig) -> list[int | None]:
+    """Mistral's `sliding_window` on every layer; Llama has none."""
+    window = cfg.hf.get("sliding_window") if cfg.model_type == "mistral" else None
+    L = cfg.num_hidden_layers
+    return sliding_windows(window, ["sliding_attention"] * L, L)
 
 
 def build(cfg: ModelConfig) -> CausalLM:
-    window = attention_window(cfg.hf)
     layers = [
         DecoderLayer(
             cfg,
             Attention(cfg, window),
-            SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
         )
-        for _ in range(cfg.num_hidden_layers)
+        for window in layer_windows(cfg)
     ]
-    return CausalLM(cfg, layers)
+    return CausalLM(cfg, Backbone(cfg, layers))
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

@@ -4,8 +4,7 @@ What differs from the Llama decoder:
 - fused projections, under Hugging Face's names so weights and PEFT adapters match by name:
   `self_attn.qkv_proj` (D -> H*Dh + 2*G*Dh: q rows, then k, then v) and `mlp.gate_up_proj`
   (D -> 2F: gate rows, then up); no biases.
-- partial rotary (`partial_rotary_factor`, 0.75 on Phi-4-mini): RoPE turns the first
-  R = int(Dh * factor) features of each head and passes the rest through.
+- partial rotary (`partial_rotary_factor`, 0.75 on Phi-4-mini; `rope.py` handles it).
 - `longrope` scaling (Phi-3.5-mini, Phi-4-mini; legacy names `su`, `yarn`): inverse
   frequencies 1 / (ext * theta^(2i/R)) with ext = `short_factor` for a sequence of at most
   `original_max_position_embeddings` tokens and `long_factor` beyond, cos/sin scaled by
@@ -36,8 +35,9 @@ from slipstream.models.common import (
     DecoderLayer,
     ModelConfig,
     base_config_from_hf,
+    sliding_windows,
 )
-from slipstream.models.rope import apply_rope, rope_cos_sin
+from slipstream.models.rope import RopeConfig, rope_cos_sin
 from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
 
@@ -52,6 +52,7 @@ class Phi3Rope:
     long_factor: tuple[float, ...] | None = None
     original_max: int = 4096
     attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Phi3Rope:
@@ -61,15 +62,10 @@ class Phi3Rope:
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
         factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        rotary_dim = int(head_dim * factor)
-        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
-            raise ValueError(
-                f"config.json: partial_rotary_factor={factor} gives {rotary_dim} rotary dims of "
-                f"head_dim {head_dim}; it must give an even number in (0, {head_dim}]."
-            )
+        rotary_dim = RopeConfig(partial_rotary_factor=factor).rotary_dim(head_dim)
         rope_type = params.get("rope_type", params.get("type")) or "default"
         if rope_type == "default":
-            return cls(theta, rotary_dim)
+            return cls(theta, rotary_dim, partial_rotary_factor=factor)
         if rope_type not in LONGROPE_NAMES:
             raise ValueError(
                 f"config.json: rope type {rope_type!r} is not supported for phi3; "
@@ -90,7 +86,9 @@ class Phi3Rope:
         attention = params.get("attention_factor")
         if attention is None:
             attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
-        return cls(theta, rotary_dim, tuple(short), tuple(long), int(original), float(attention))
+        return cls(
+            theta, rotary_dim, tuple(short), tuple(long), int(original), float(attention), factor
+        )
 
     def inv_freq(self, ext: tuple[float, ...] | None) -> torch.Tensor:
         """(R/2,) float32: 1 / (ext * theta^(2i/R)); ext None: plain RoPE."""
@@ -101,50 +99,41 @@ class Phi3Rope:
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     rope = Phi3Rope.from_hf(hf)  # the checks, at load
-    window = hf.get("sliding_window")
-    if window is not None and not (isinstance(window, int) and window > 0):
-        raise ValueError(
-            f"config.json: sliding_window={window!r} must be a positive integer or null."
-        )
-    # The shared config gets plain RoPE (its parser does not know longrope); Phi3Backbone
-    # builds the real one from `cfg.hf`.
-    plain = {**hf, "rope_scaling": None, "rope_parameters": {"rope_theta": rope.theta}}
+    # The shared config gets plain RoPE over the rotary dims (its parser does not know
+    # longrope); Phi3Backbone builds longrope's factor sets from `cfg.hf`.
+    plain = {
+        **hf,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": rope.theta},
+        "partial_rotary_factor": rope.partial_rotary_factor,
+    }
     # transformers' Phi3 has no biases whatever attention_bias/mlp_bias say (Phi-4-mini
     # writes both false).
     cfg = base_config_from_hf(
         plain, attention_bias=False, mlp_bias=False, rms_norm_eps=hf.get("rms_norm_eps", 1e-5)
     )
     cfg.hf = dict(hf)
+    layer_windows(cfg)  # a malformed sliding_window fails at load, not at build
     return cfg
 
 
-def apply_partial_rope(x_THD: torch.Tensor, cos_sin) -> torch.Tensor:
-    """RoPE on the first R features of each head (R = cos's width); the rest pass through."""
-    R = cos_sin[0].shape[-1]
-    if x_THD.shape[-1] == R:
-        return apply_rope(x_THD, cos_sin)
-    return torch.cat([apply_rope(x_THD[..., :R], cos_sin), x_THD[..., R:]], dim=-1)
+def layer_windows(cfg: ModelConfig) -> list[int | None]:
+    """`sliding_window` (or None) on every layer, as for Mistral."""
+    L = cfg.num_hidden_layers
+    return sliding_windows(cfg.hf.get("sliding_window"), ["sliding_attention"] * L, L)
 
 
 class Phi3Attention(Attention):
-    """GQA attention with one fused `qkv_proj` and partial rotary."""
+    """GQA attention with one fused `qkv_proj`: q rows, then k, then v."""
 
-    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
-        super().__init__(cfg, window)
-        del self.q_proj, self.k_proj, self.v_proj
+    def make_qkv_proj(self, D: int, bias: bool) -> None:
         H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * G) * Dh, bias=False)
+        self.qkv_proj = nn.Linear(D, (H + 2 * G) * Dh, bias=bias)
 
     def project_qkv(self, x_TD: torch.Tensor):
         T, H, G, Dh = x_TD.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x_TD).split([H * Dh, G * Dh, G * Dh], dim=-1)
         return q.view(T, H, Dh), k.view(T, G, Dh), v.view(T, G, Dh)
-
-    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
-        q_THD, k_TGD, v_TGD = self.project_qkv(x_TD)
-        q_THD, k_TGD = apply_partial_rope(q_THD, cos_sin), apply_partial_rope(k_TGD, cos_sin)
-        o_THD = self.attend(q_THD, k_TGD, v_TGD, seq)
-        return self.o_proj(o_THD.reshape(x_TD.shape[0], -1))
 
 
 class Phi3MLP(nn.Module):
@@ -161,13 +150,11 @@ class Phi3MLP(nn.Module):
 
 
 class Phi3Backbone(Backbone):
-    """The shared backbone with Phi-3's RoPE: R rotary dims, longrope's two factor sets."""
+    """The shared backbone with longrope's two factor sets (short: the inherited `inv_freq`)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__(cfg, layers)
         self.phi3_rope = Phi3Rope.from_hf(cfg.hf)
-        R = self.phi3_rope.rotary_dim
-        self.inv_freq = torch.empty(R // 2, dtype=torch.float32)  # replaces the buffer
         self.register_buffer("long_inv_freq", torch.empty_like(self.inv_freq), persistent=False)
         self.reset_rope()
 
@@ -178,8 +165,12 @@ class Phi3Backbone(Backbone):
             self.inv_freq.copy_(rope.inv_freq(rope.short_factor))
             self.long_inv_freq.copy_(rope.inv_freq(rope.long_factor))
 
+    def rope_tables(self, seq: SeqInfo, dtype: torch.dtype) -> list:
+        """(T, R) cos and sin for every layer; each sequence's factor set picked from its host
+        length."""
+        return [self.cos_sin(seq, dtype)] * len(self.layers)
+
     def cos_sin(self, seq: SeqInfo, dtype: torch.dtype):
-        """(T, R) cos and sin; each sequence's factor set picked from its host length."""
         longer = [n > self.phi3_rope.original_max for n in seq.lengths]
         if self.phi3_rope.long_factor is None or not any(longer):
             return rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
@@ -192,29 +183,15 @@ class Phi3Backbone(Backbone):
         long_T1 = (lengths_N > self.phi3_rope.original_max).index_select(0, seq.seq_ids)[:, None]
         return tuple(torch.where(long_T1, lo, sh) for lo, sh in zip(long, short, strict=True))
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        x_TD = self.embed_tokens(input_ids_T)
-        cos_sin = self.cos_sin(seq, x_TD.dtype)  # once per forward, shared by every layer
-        for layer in self.layers:
-            x_TD = layer(x_TD, seq, cos_sin)
-        return self.norm(x_TD)
-
 
 def build(cfg: ModelConfig) -> CausalLM:
-    window = cfg.hf.get("sliding_window")
     layers = [
         DecoderLayer(
-            cfg,
-            Phi3Attention(cfg, window),
-            Phi3MLP(cfg.hidden_size, cfg.intermediate_size),
+            cfg, Phi3Attention(cfg, window), Phi3MLP(cfg.hidden_size, cfg.intermediate_size)
         )
-        for _ in range(cfg.num_hidden_layers)
+        for window in layer_windows(cfg)
     ]
-    model = CausalLM(cfg, layers)
-    # The plain backbone CausalLM built is replaced (load_model builds on the meta device,
-    # where that costs nothing).
-    model.model = Phi3Backbone(cfg, layers)
-    return model
+    return CausalLM(cfg, Phi3Backbone(cfg, layers))
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

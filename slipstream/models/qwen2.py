@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from slipstream.models.common import (
     Attention,
+    Backbone,
     CausalLM,
     DecoderLayer,
+    GatedMLP,
     ModelConfig,
-    SwiGLU,
     base_config_from_hf,
+    sliding_windows,
 )
 from slipstream.models.weights import WeightMap
 
@@ -28,14 +28,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     cfg = base_config_from_hf(hf, attention_bias=True)
     layer_windows(cfg)  # a malformed layer_types fails at load, not at build
     return cfg
-
-
-class Qwen2Attention(Attention):
-    """Biased q/k/v projections; the output projection has no bias."""
-
-    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
-        super().__init__(cfg, window)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
 
 def layer_windows(cfg: ModelConfig) -> list[int | None]:
@@ -47,23 +39,19 @@ def layer_windows(cfg: ModelConfig) -> list[int | None]:
         "sliding_attention" if window and i >= first_windowed else "full_attention"
         for i in range(L)
     ]
-    if len(types) != L:
-        raise ValueError(
-            f"config.json: layer_types has {len(types)} entries but num_hidden_layers is {L}."
-        )
-    return [window if window and t == "sliding_attention" else None for t in types]
+    return sliding_windows(window, types, L)
 
 
 def build(cfg: ModelConfig) -> CausalLM:
     layers = [
         DecoderLayer(
             cfg,
-            Qwen2Attention(cfg, window),
-            SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
+            Attention(cfg, window, o_bias=False),
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
         )
         for window in layer_windows(cfg)
     ]
-    return CausalLM(cfg, layers)
+    return CausalLM(cfg, Backbone(cfg, layers))
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.common import CausalLM, DecoderLayer, ModelConfig, SwiGLU
+from slipstream.models.common import (
+    Backbone,
+    CausalLM,
+    DecoderLayer,
+    GatedMLP,
+    ModelConfig,
+    sliding_windows,
+)
 from slipstream.models.common import base_config_from_hf as _base_config
 from slipstream.models.moe_block import (
     MoEBlock,
@@ -34,7 +41,7 @@ from slipstream.models.moe_block import (
     aux_loss_coef_from_hf,
     num_experts_from_hf,
 )
-from slipstream.models.qwen3 import Qwen3Attention
+from slipstream.models.qwen3 import attention
 from slipstream.models.weights import WeightMap
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 
@@ -46,7 +53,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not supported; use 'silu'.")
     num_experts_from_hf(hf)
-    return _base_config(hf)
+    cfg = _base_config(hf)
+    layer_windows(cfg)  # a malformed sliding_window fails at load, not at build
+    return cfg
 
 
 class Qwen3MoeExperts(nn.Module):
@@ -105,19 +114,24 @@ def sparse_layers(cfg: ModelConfig) -> list[bool]:
     return [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)]
 
 
-def build(cfg: ModelConfig) -> CausalLM:
-    hf = cfg.hf
-    # transformers sets sliding_window to None unless use_sliding_window; then every layer.
+def layer_windows(cfg: ModelConfig) -> list[int | None]:
+    """transformers sets sliding_window to None unless use_sliding_window; then every layer."""
+    hf, L = cfg.hf, cfg.num_hidden_layers
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    return sliding_windows(window, ["sliding_attention"] * L, L)
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    D, F_dense = cfg.hidden_size, cfg.intermediate_size
     layers = [
         DecoderLayer(
             cfg,
-            Qwen3Attention(cfg, window),
-            Qwen3MoeBlock(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size),
+            attention(cfg, window),
+            Qwen3MoeBlock(cfg) if sparse else GatedMLP(D, F_dense),
         )
-        for sparse in sparse_layers(cfg)
+        for window, sparse in zip(layer_windows(cfg), sparse_layers(cfg), strict=True)
     ]
-    return CausalLM(cfg, layers)
+    return CausalLM(cfg, Backbone(cfg, layers))
 
 
 # ------------------------------------------------------------------- weight map

@@ -3,9 +3,11 @@
 The inverse frequencies are computed once, on the host, from the checkpoint's config; each
 forward turns `seq.position_ids` into one `(T, Dh)` cos/sin pair that every layer shares.
 Scaling types: default, linear (position interpolation), llama3 (frequency-band smoothing),
-yarn (NTK-by-parts with an attention temperature).
+yarn (NTK-by-parts with an attention temperature). Partial rotary (`partial_rotary_factor`,
+0.75 on Phi-4-mini): RoPE turns the first R = int(Dh * factor) features of each head and
+passes the rest through, as transformers does for every family that sets it.
 
-Shapes: T tokens, H heads, Dh head dim.
+Shapes: T tokens, H heads, Dh head dim, R rotary dims (Dh unless partial).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, hf: dict) -> RopeConfig:
@@ -45,21 +48,34 @@ class RopeConfig:
             )
         known = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+        if hf.get("partial_rotary_factor") is not None:  # 4.x keeps it at the top level
+            kwargs.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
         if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in kwargs:
             kwargs["original_max_position_embeddings"] = hf.get("max_position_embeddings")
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)
 
+    def rotary_dim(self, head_dim: int) -> int:
+        """R, the features of each head RoPE turns: int(head_dim * partial_rotary_factor)."""
+        R = int(head_dim * self.partial_rotary_factor)
+        if not (0 < R <= head_dim and R % 2 == 0):
+            raise ValueError(
+                f"config.json: partial_rotary_factor={self.partial_rotary_factor} gives {R} "
+                f"rotary dims of head_dim {head_dim}; it must give an even number in "
+                f"(0, {head_dim}]."
+            )
+        return R
+
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (Dh/2,) in float32 and the cos/sin scale (1.0 except for yarn)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponent)
+    """Inverse frequencies (R/2,) in float32 and the cos/sin scale (1.0 except for yarn)."""
+    R = rope.rotary_dim(head_dim)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor, 1.0
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope), 1.0
     if rope.rope_type == "yarn":
-        return _yarn_inv_freq(rope, head_dim)
+        return _yarn_inv_freq(rope, R)
     return inv_freq, 1.0
 
 
@@ -110,15 +126,19 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 def rope_cos_sin(
     position_ids_T: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, Dh) for the given positions; computed in float32, then cast."""
+    """cos, sin of shape (T, R) for the given positions; computed in float32, then cast."""
     freqs_TF = position_ids_T.float()[:, None] * inv_freq.float()[None, :]
     emb_TD = torch.cat([freqs_TF, freqs_TF], dim=-1)
     return (emb_TD.cos() * scale).to(dtype), (emb_TD.sin() * scale).to(dtype)
 
 
 def apply_rope(x_THD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate the two halves of each head: x*cos + rotate_half(x)*sin."""
-    cos_TD, sin_TD = cos_sin
+    """Rotate the two halves of each head's first R features (R = cos's width):
+    x*cos + rotate_half(x)*sin; the features past R pass through."""
+    cos_TR, sin_TR = cos_sin
+    R = cos_TR.shape[-1]
+    if x_THD.shape[-1] > R:
+        return torch.cat([apply_rope(x_THD[..., :R], cos_sin), x_THD[..., R:]], dim=-1)
     x1, x2 = x_THD.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return x_THD * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]
+    return x_THD * cos_TR[:, None, :] + rotated * sin_TR[:, None, :]
