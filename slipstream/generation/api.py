@@ -91,7 +91,7 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                       find_stop=texts.find_stop if stop_strings else None,
                       max_positions=context, generator=generator, check_every=check_every,
-                      on_check=on_check)  # fmt: skip
+                      on_check=on_check, logprobs=return_logprobs)  # fmt: skip
     return [
         Completion(
             prompt_index=r.prompt_index,

@@ -65,11 +65,13 @@ def run(
     generator: torch.Generator | None = None,
     check_every: int = CHECK_EVERY,
     on_check: Callable[[list[Row]], None] | None = None,
+    logprobs: bool = True,
 ) -> list[Row]:
     """Generate for each prompt `samples_per_prompt` times -> rows, prompt-major.
 
     `on_check(rows)` is called after each stop check (streaming). `max_positions` caps
-    prompt + generated tokens (the model's context)."""
+    prompt + generated tokens (the model's context). `logprobs=False` skips computing them
+    (the rows' `logprobs` are then zeros)."""
     n = samples_per_prompt
     rows = []
     for i, p in enumerate(prompts):
@@ -79,12 +81,12 @@ def run(
     model.eval()
     try:
         return _run(model, prompts, rows, n, sampling, set(stop_ids), find_stop, generator,
-                    check_every, on_check)  # fmt: skip
+                    check_every, on_check, logprobs)  # fmt: skip
     finally:
         model.train(was_training)
 
 
-def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check):
+def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check, want_lp):
     device = model.model.embed_tokens.weight.device
     head_W = model.lm_head_weight()
     steps = max(r.limit for r in rows)
@@ -96,11 +98,12 @@ def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, o
         logits_BV = logits_BV.index_select(0, repeat)
     live = list(rows)
     pos_B = torch.tensor([r.prompt_len for r in live]).to(device, non_blocking=True)
-    buf_BK2 = torch.empty(len(live), K, 2, dtype=torch.int32, device=device)
+    buf_BK2 = torch.zeros(len(live), K, 2, dtype=torch.int32, device=device)
     for step in range(steps):
-        token_B, logprob_B = sample(logits_BV, sampling, generator)
+        token_B, logprob_B = sample(logits_BV, sampling, generator, logprobs=want_lp)
         buf_BK2[:, step % K, 0] = token_B.to(torch.int32)
-        buf_BK2[:, step % K, 1] = logprob_B.view(torch.int32)  # the float's bits, exact
+        if logprob_B is not None:
+            buf_BK2[:, step % K, 1] = logprob_B.view(torch.int32)  # the float's bits, exact
         if (step + 1) % K == 0 or step + 1 == steps:
             keep = _check(live, buf_BK2[:, : step % K + 1], stop_ids, find_stop)
             if on_check is not None:
