@@ -84,6 +84,8 @@ class LoraSection(_Section):
 
 
 class TrainSection(_Section):
+    # What the loss is: sft (labelled tokens); slipstream/objectives/ lists the others.
+    objective: str = "sft"
     lr: float = Field(2e-4, gt=0)
     schedule: Literal["linear", "cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
@@ -111,6 +113,15 @@ class TrainSection(_Section):
     # MoE load-balancing loss weight; null: the checkpoint's own (config.json's
     # router_aux_loss_coef if output_router_logits, else off); 0: off
     router_aux_loss_coef: float | None = Field(None, ge=0)
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, value: str) -> str:
+        from slipstream.objectives import OBJECTIVES
+
+        if value not in OBJECTIVES:
+            raise ValueError(f"unknown objective; use one of {', '.join(OBJECTIVES)}")
+        return value
 
 
 class RunConfig(_Section):

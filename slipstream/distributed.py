@@ -12,12 +12,13 @@ state with FSDP2 `fully_shard`, one unit per decoder layer, then the root (full 
 The step's gradient equals one process's with the same global batch: every rank holds the
 same packed batches, each global step draws `grad_accum * world` micro-batches from the one
 seeded stream and rank r takes every world-th; each micro-batch's summed loss is divided by
-the labelled-token count of the *whole* step (one all-reduce per step, on the device) and
-multiplied by the world size, because DDP and FSDP average gradients over ranks.
+the objective's weight of the *whole* step (labelled tokens for SFT; one all-reduce per
+step, on the device) and multiplied by the world size, because DDP and FSDP average
+gradients over ranks.
 
-Collectives per optimizer step: one (the label count) plus the gradient reduction; a logged
-step adds one (loss, token counts and the stop flag, summed). Checkpoints under FSDP2 are
-written with `torch.distributed.checkpoint` (each rank its shards); under DDP rank 0 writes.
+Collectives per optimizer step: one (the weight) plus the gradient reduction; a logged step
+adds one (loss, metrics, token counts and the stop flag, summed). Elsewhere: tokenizing in
+shards (data/sharded.py); checkpoint shards under FSDP2 (train/sharded.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ import datetime
 import inspect
 import os
 import sys
-import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +38,6 @@ from torch import nn
 
 MODES = ("auto", "none", "ddp", "fsdp")
 
-_DDP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its DDP wrapper
 _OBJECT_GROUP: Any = None  # a gloo group for Python objects (NCCL would stage them on the GPU)
 
 
@@ -137,27 +134,28 @@ def resolve_mode(mode: str, *, method: str, quantization: str, optimizer: str = 
     return mode if world > 1 else "none"
 
 
-class _LossForward(nn.Module):
-    """DDP reduces the gradients of what runs through its `forward`; the trainer calls
-    `model.loss`, so DDP wraps this module whose forward is the model's loss."""
+class _CallWith(nn.Module):
+    """DDP reduces the gradients of what runs through its `forward`: this module's forward
+    runs `fn(model, *args)` (an objective's loss), so any loss the trainer computes goes
+    through DDP while the model keeps its own methods."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return type(self.model).loss(self.model, *args, **kwargs)
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.model, *args)
 
 
-def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
-    """Make `model` data-parallel in place; returns the same object.
+def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module | None:
+    """Make `model` data-parallel; returns the DDP wrapper (mode "ddp") or None.
 
-    The trainer keeps calling `model.loss`, `model.parameters()` and `save_*` on it: under
-    DDP `model.loss` is routed through the DDP wrapper (parameter names unchanged); under
-    FSDP2 the parameters become sharded DTensors (names unchanged).
+    DDP: the trainer runs each micro-batch's loss through the wrapper (`run_through`);
+    `model` itself is unchanged (names, methods). FSDP2: the parameters of `model` become
+    sharded DTensors in place (names unchanged).
     """
     if mode == "none":
-        return model
+        return None
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -171,11 +169,7 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
         if "init_sync" in params:
             kwargs["init_sync"] = False
         ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(_LossForward(model), device_ids=ids, **kwargs)
-        _DDP[model] = ddp
-        # An instance attribute shadows the method (a bound method, so not a submodule).
-        model.loss = ddp.__call__
-        return model
+        return DistributedDataParallel(_CallWith(model), device_ids=ids, **kwargs)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     try:
@@ -193,9 +187,14 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     # The root all-gathers its own weights (embeddings, final norm, head) around `forward`;
-    # the trainer calls `loss`, which must get the same hooks.
+    # the objectives call `loss`, which must get the same hooks.
     register_fsdp_forward_method(model, "loss")
-    return model
+    return None
+
+
+def run_through(ddp: nn.Module | None, fn: Callable[..., Any], model: nn.Module, *args: Any):
+    """`fn(model, *args)`, inside DDP's forward when `ddp` is the model's DDP wrapper."""
+    return fn(model, *args) if ddp is None else ddp(fn, *args)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -205,10 +204,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, ddp: nn.Module | None, enabled: bool) -> Iterator[None]:
     """Reduce gradients over ranks in this backward only if `enabled` (the window's last
     micro-batch): accumulation stays local, one reduction per optimizer step."""
-    ddp = _DDP.get(model)
     if ddp is not None:
         with nullcontext() if enabled else ddp.no_sync():
             yield
@@ -219,15 +217,16 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def step_label_count(num_labels: int, device: torch.device) -> int | torch.Tensor:
-    """Labelled tokens of the whole optimizer step over all ranks (at least 1).
+def step_weight(weight: int, device: torch.device) -> int | torch.Tensor:
+    """The objective's weight (labelled tokens for SFT) of the whole optimizer step over all
+    ranks, at least 1.
 
     One process: the host int. Under torchrun: a device tensor, all-reduced without a host
     sync (`torch.full` writes it on the device; `torch.tensor` would copy and synchronize).
     """
     if world_size() == 1:
-        return max(num_labels, 1)
-    count = torch.full((), num_labels, dtype=torch.int64, device=device)
+        return max(weight, 1)
+    count = torch.full((), weight, dtype=torch.int64, device=device)
     dist.all_reduce(count)
     return count.clamp_(min=1)
 
@@ -256,54 +255,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def shard_rows(rows: Any) -> tuple[Any, int]:
-    """This rank's contiguous slice of `rows` (a datasets.Dataset or list) and its first index."""
-    n, world, r = len(rows), world_size(), rank()
-    start, stop = n * r // world, n * (r + 1) // world
-    if hasattr(rows, "select"):
-        return rows.select(range(start, stop)), start
-    return rows[start:stop], start
-
-
-def tokenize_sharded(tokenize: Callable[[Any, int], tuple[list, Any]], rows: Any, what: str):
-    """`tokenize(rows, first_row)` -> (examples, report), each rank on its slice (rows named
-    by their number in the whole split), then every rank gets
-    all examples in row order. A rank's error is gathered too and raised on every rank with
-    that rank's message, so a bad shard stops the job at once instead of leaving the other
-    ranks waiting in the next collective."""
-    if world_size() == 1:
-        return tokenize(rows, 0)
-    mine, start = shard_rows(rows)
-    result, error = None, None
-    try:
-        result = tokenize(mine, start)
-    except (ValueError, FileNotFoundError) as e:
-        error = f"rank {rank()} ({what} rows {start}-{start + len(mine) - 1}): {e}"
-    gathered = gather_objects((result, error))
-    failed = [err for _, err in gathered if err is not None]
-    if failed:
-        barrier()  # leave together: a rank tearing gloo down under a peer can abort it
-        raise ValueError(failed[0])
-    examples = [ex for part, _ in gathered for ex in part[0]]
-    return examples, merge_reports([part[1] for part, _ in gathered])
-
-
-def merge_reports(reports: list[Any]) -> Any:
-    """Sum per-rank DataReports (counts add; the first skip reason wins)."""
-    first = reports[0]
-    merged = type(first)()
-    for report in reports:
-        for name, value in vars(report).items():
-            current = getattr(merged, name)
-            if isinstance(value, Counter):
-                current.update(value)
-            elif isinstance(value, int):
-                setattr(merged, name, current + value)
-            elif not current:
-                setattr(merged, name, value)
-    return merged
-
-
 def unsharded(model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module | None:
     """A plain model with the trained weights, for adapter or merged export.
 
@@ -327,47 +278,3 @@ def unsharded(model: nn.Module, rebuild: Callable[[], nn.Module]) -> nn.Module |
         for name, value in trained.items():
             params[name].copy_(value)
     return plain
-
-
-def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Trainable parameters and optimizer state with torch.distributed.checkpoint (every
-    rank writes its own shards into `path`)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(path))
-
-
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    state = _sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    weights = {k: v for k, v in get_model_state_dict(model).items() if k in trainable}
-    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
-
-
-def check_world_size(saved: int, path: Any) -> None:
-    """Resume needs the world size the checkpoint was written with: the data stream's split
-    over ranks and (FSDP2) the shards depend on it."""
-    world = world_size()
-    if saved != world:
-        raise ValueError(
-            f"resume: checkpoint {path} was written by {saved} process(es) but this run has "
-            f"{world}; resume with --nproc_per_node/--nnodes giving {saved} processes"
-        )

@@ -25,6 +25,7 @@ import slipstream
 from slipstream import distributed as dist
 from slipstream.data import IGNORE_INDEX, Batch, Example, collate
 from slipstream.debug import count_syncs
+from slipstream.objectives.sft import SFT
 from slipstream.ops import loss as loss_mod
 from slipstream.peft.lora import apply_lora
 from slipstream.train.loop import accumulate_gradients
@@ -197,39 +198,49 @@ def test_trainer_passes_positions(dense_dir):
         return real_loss(*args, **kwargs)
 
     model.loss = spy
-    total = accumulate_gradients(model, window)
+    total, _ = accumulate_gradients(model, window, SFT())
     assert [p is b.label_positions for p, b in zip(seen, window)] == [True, True]
     grads = [p.grad.clone() for p in model.parameters()]
     # Batches without positions (built by hand) take the full path: same loss and grads.
     model.zero_grad(set_to_none=True)
     plain = [SimpleNamespace(**{**vars(b), "label_positions": None}) for b in window]
-    torch.testing.assert_close(accumulate_gradients(model, plain), total, **TOL)
+    torch.testing.assert_close(accumulate_gradients(model, plain, SFT())[0], total, **TOL)
     for got, want in zip([p.grad for p in model.parameters()], grads):
         torch.testing.assert_close(got, want, **TOL)
 
 
 def test_ddp_wrapper_passes_positions(dense_dir):
-    """One-process gloo DDP: positions that leave out a labelled row change the loss, so
-    the keyword does reach the model through the wrapper (and full positions change nothing)."""
+    """One-process gloo DDP: the objective's loss run through the DDP wrapper equals the
+    model's own (positions that leave out a labelled row change it, so the batch's positions
+    do reach the model), and the gradients it leaves equal those of the plain call."""
+    import dataclasses
+
     tdist = torch.distributed
     model = slipstream.load_model(dense_dir).requires_grad_(True)
     batch = collate(chat_examples([10, 9], seed=5))
-    args = (batch.input_ids, batch.labels, batch.seq, "sum")
-    full = model.loss(*args).detach()
-    dropped = model.loss(*args, label_positions=batch.label_positions[1:]).detach()
-    assert not torch.allclose(full, dropped)
+    dropped = dataclasses.replace(batch, label_positions=batch.label_positions[1:], _host=None)
+    sft = SFT()
+    want = [sft.micro_batch_loss(model, b)[0] for b in (batch, dropped)]
+    assert not torch.allclose(want[0], want[1])
+    want[0].backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
     try:
-        dist.wrap_model(model, "ddp", torch.device("cpu"))
-        got_full = model.loss(*args, label_positions=batch.label_positions)
-        got_full.backward()  # DDP wants a backward before the next forward
-        got_dropped = model.loss(*args, label_positions=batch.label_positions[1:])
-        got_dropped.backward()
+        ddp = dist.wrap_model(model, "ddp", torch.device("cpu"))
+        assert "loss" not in vars(model)  # the model keeps its own method
+        got = []
+        for b in (batch, dropped):
+            loss, _ = dist.run_through(ddp, sft.micro_batch_loss, model, b)
+            loss.backward()  # DDP wants a backward before the next forward
+            got.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
     finally:
         tdist.destroy_process_group()
-        dist._DDP.pop(model, None)
-    torch.testing.assert_close(got_full.detach(), full, **TOL)
-    torch.testing.assert_close(got_dropped.detach(), dropped, **TOL)
+    torch.testing.assert_close(got[0][0], want[0].detach(), **TOL)
+    torch.testing.assert_close(got[1][0], want[1].detach(), **TOL)
+    for g, w in zip(got[0][1], grads):
+        torch.testing.assert_close(g, w, **TOL)
 
 
 def test_bad_positions_are_a_clear_error(dense_dir):

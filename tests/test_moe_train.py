@@ -18,6 +18,7 @@ from slipstream import cli
 from slipstream.config import config_from_dict
 from slipstream.debug import count_syncs
 from slipstream.models.moe_block import router_aux_loss_coef, set_router_aux_loss_coef
+from slipstream.objectives.sft import SFT
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft.lora import apply_lora
 from slipstream.peft.lora_experts import expert_lora_modules
@@ -97,8 +98,8 @@ def test_export_merged_with_expert_lora_matches_transformers(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
-    """One micro-batch: accumulate_gradients' gradients equal those of transformers' loss with
-    output_router_logits (`loss + coef * aux`); the reported aux equals transformers' aux."""
+    """One micro-batch: the SFT objective's loss and gradients equal those of transformers' loss
+    with output_router_logits (`loss + coef * aux`); the reported aux equals transformers'."""
     make_hf_moe_model(
         family, seed=4, output_router_logits=True, router_aux_loss_coef=0.3
     ).save_pretrained(tmp_path)
@@ -113,10 +114,9 @@ def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
     batch = SimpleNamespace(
         input_ids=ids, labels=labels, seq=SeqInfo.from_lengths([13]), num_labels=12
     )
-    aux_sum = torch.zeros(())
-    loss_sum = accumulate_gradients(ours, [batch], aux_sum)
-    torch.testing.assert_close(aux_sum / 12, ref.aux_loss, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss_sum / 12 + 0.3 * aux_sum / 12, ref.loss, atol=1e-5, rtol=1e-5)
+    loss_sum, metrics = accumulate_gradients(ours, [batch], SFT())
+    torch.testing.assert_close(metrics["aux_loss"] / 12, ref.aux_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss_sum / 12, ref.loss, atol=1e-5, rtol=1e-5)  # loss + coef*aux
     hf_grads = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         ref_grad = hf_grads[name].grad
@@ -125,7 +125,7 @@ def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
     # the aux term does reach the router: without it the router's gradient differs
     ours.zero_grad()
     set_router_aux_loss_coef(ours, 0.0)
-    accumulate_gradients(ours, [batch])
+    accumulate_gradients(ours, [batch], SFT())
     assert not torch.allclose(ours.get_parameter(f"model.layers.0.{router}").grad,
                               hf_grads[f"model.layers.0.{router}"].grad, atol=1e-6)  # fmt: skip
 
@@ -142,12 +142,11 @@ def test_aux_loss_micro_batch_has_no_host_sync(moe_run, tmp_path):
     assert router_aux_loss_coef(model) == 0.01 and expert_lora_modules(model)
     data = build_data(cfg, load_tokenizer(str(model_dir)))
     window = [collate([data.train[i] for i in b]) for b in data.train_batches[:2]]
-    aux_sum = torch.zeros(())
-    accumulate_gradients(model, window, aux_sum)  # warm-up (lazy inits)
+    accumulate_gradients(model, window, SFT())  # warm-up (lazy inits)
     with count_syncs() as syncs:
-        accumulate_gradients(model, window, aux_sum)
+        _, metrics = accumulate_gradients(model, window, SFT())
     assert syncs.total == 0, str(syncs)
-    assert aux_sum > 0
+    assert metrics["aux_loss"] > 0
     grads = [p.grad for n, p in model.named_parameters() if ".experts.lora_B" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 

@@ -16,6 +16,7 @@ import yaml
 from helpers.runs import lora_with_dropout, losses, run_config, train_until_signal
 
 from slipstream.config import config_from_dict
+from slipstream.objectives.sft import SFT
 from slipstream.train import train
 from slipstream.train.loop import accumulate_gradients
 from slipstream.train.setup import build_data, build_model
@@ -54,7 +55,7 @@ def test_grad_accum_matches_one_big_batch(tiny_run, tmp_path):
         # SGD: the update is the gradient itself. (Adam's first step is ~lr*sign(g), which
         # turns float32 rounding in near-zero gradients into lr-sized differences.)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        accumulate_gradients(model, window)
+        accumulate_gradients(model, window, SFT())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         opt.step()
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -123,9 +124,9 @@ def test_no_host_sync_in_the_micro_batch_loop(tiny_run, tmp_path):
     model = build_model(cfg, torch.device("cpu"))
     window = [collate(data.train[i : i + 2]) for i in (0, 2, 4)]
     with count_syncs() as syncs:
-        loss_sum = accumulate_gradients(model, window)
+        loss_sum, metrics = accumulate_gradients(model, window, SFT())
     assert syncs.total == 0, str(syncs)
-    assert loss_sum.requires_grad is False and loss_sum.ndim == 0
+    assert loss_sum.requires_grad is False and loss_sum.ndim == 0 and metrics == {}
 
 
 def test_activation_checkpointing_keeps_the_losses(tiny_run, tmp_path):
@@ -190,11 +191,11 @@ def test_mfu_is_logged_from_step_flops(tiny_run, tmp_path, monkeypatch):
     """On a device with a known peak the trainer logs MFU = step FLOPs (train/flops.py:
     4NT with LoRA plus attention) / time / peak. Checked on CPU with a pretend peak: the
     logged MFU sits just above the 4NT part alone (the tiny model's attention is small)."""
-    from slipstream.train import loop
+    from slipstream.train import meter
     from slipstream.train.flops import StepFlops
 
     peak = 1e9
-    monkeypatch.setattr(loop, "peak_flops", lambda device: peak)
+    monkeypatch.setattr(meter, "peak_flops", lambda device: peak)
     raw = lora_with_dropout(run_config(tiny_run, tmp_path, steps=3))
     train(config_from_dict(raw))
     model = build_model(config_from_dict(raw), torch.device("cpu"))
@@ -238,3 +239,31 @@ def test_lora_plus_gives_b_factors_their_multiple_of_the_lr(tiny_run, tmp_path):
         tensors = load_file(out / "adapter_model.safetensors")
         sizes[ratio] = sum(t.norm() for k, t in tensors.items() if "lora_B" in k)
     assert sizes[16.0] > 5 * sizes[None] > 0  # measured 15.9x: Adam's early steps scale with lr
+
+
+def test_objective_supplies_the_normaliser_and_metrics(tiny_run, tmp_path, monkeypatch):
+    """An objective weighing per sequence (tests/helpers/objectives.py): the logged loss is the
+    summed loss over sequences, metrics are their sums over the weight, eval goes through the
+    same objective (`eval_`-prefixed, no eval_ppl), and SFT's eval loss per label times the
+    labels equals its eval loss per sequence times the sequences."""
+    from slipstream.objectives import OBJECTIVES
+
+    monkeypatch.setitem(OBJECTIVES, "per_sequence", "helpers.objectives:PerSequence")
+    records = {}
+    for name in ("sft", "per_sequence"):
+        raw = run_config(tiny_run, tmp_path / name, steps=2)
+        raw["train"]["objective"] = name
+        train(config_from_dict(raw))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        records[name] = [json.loads(x) for x in lines]
+    data = build_data(config_from_dict(raw), _tokenizer(tiny_run))
+    labels = sum(sum(e.trainable[1:]) for e in data.eval)
+    tokens = sum(len(e.input_ids) for e in data.eval)
+    sft_eval, seq_eval = records["sft"][0], records["per_sequence"][0]
+    assert "eval_ppl" in sft_eval and "eval_ppl" not in seq_eval
+    assert seq_eval["eval_seqs"] == 1.0
+    assert seq_eval["eval_seq_tokens"] == pytest.approx(tokens / len(data.eval))
+    assert seq_eval["eval_loss"] * len(data.eval) == pytest.approx(sft_eval["eval_loss"] * labels)
+    steps = [r for r in records["per_sequence"] if "loss" in r]
+    assert [r["seqs"] for r in steps] == [1.0, 1.0]
+    assert all(r["seq_tokens"] > 1 for r in steps)

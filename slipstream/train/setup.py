@@ -1,7 +1,7 @@
 """What a run is made of before the loop starts, and what it leaves behind: the data
 (loaded, tokenized and packed: `build_data`), the model (weights, then LoRA/DoRA or full
 training, then checkpointing and compile: `build_model`), the tokenizer, the device and dtype,
-the seeds, and the saved result (`save_result`). `train` in loop.py calls these in order.
+the seeds, and the saved result (`save_result`). `prepare_run` (run.py) calls these in order.
 """
 
 from __future__ import annotations
@@ -33,32 +33,35 @@ class RunData:
     packing_efficiency: float
 
 
-def build_data(cfg: RunConfig, tokenizer: Any) -> RunData:
-    """Load, tokenize and split each source, pool them and pack; report what was skipped,
-    truncated or dropped."""
+def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData:
+    """Load, tokenize (as the objective does) and split each source, pool them and pack;
+    report what was skipped, truncated or dropped."""
     from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
+    from slipstream.data.sharded import merge_reports
+    from slipstream.objectives import build_objective
 
     d, t = cfg.data, cfg.train
+    objective = objective if objective is not None else build_objective(cfg)
     examples, eval_examples, reports = [], [], []
     sources = _sources(d.train)
     for source in sources:
         rows, eval_rows = load_split(
             source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
         )
-        part, report = _tokenize_source(cfg, tokenizer, rows, source, "train")
+        part, report = _tokenize_source(objective, tokenizer, rows, source, "train")
         examples += part
         reports.append(report)
         if eval_rows is not None:
-            eval_examples += _tokenize_source(cfg, tokenizer, eval_rows, source, "eval")[0]
+            eval_examples += _tokenize_source(objective, tokenizer, eval_rows, source, "eval")[0]
         if len(sources) > 1:
             dist.print_main(f"slipstream: {source}: {report.summary()}")
     for source in _sources(d.eval):
         rows = load_rows(source, split=d.split)
-        eval_examples += _tokenize_source(cfg, tokenizer, rows, source, "eval")[0]
-    report = dist.merge_reports(reports)
-    lengths = [len(ex.input_ids) for ex in examples]
+        eval_examples += _tokenize_source(objective, tokenizer, rows, source, "eval")[0]
+    report = merge_reports(reports)
+    lengths = [objective.length(ex) for ex in examples]
     train_batches = pack_examples(lengths, t.tokens_per_batch)
-    eval_lengths = [len(ex.input_ids) for ex in eval_examples]
+    eval_lengths = [objective.length(ex) for ex in eval_examples]
     eval_batches = pack_examples(eval_lengths, t.tokens_per_batch) if eval_examples else []
     efficiency = packing_efficiency(lengths, train_batches, t.tokens_per_batch)
     dist.print_main(
@@ -72,22 +75,16 @@ def _sources(value: str | list[str] | None) -> list[str]:
     return [] if value is None else [value] if isinstance(value, str) else value
 
 
-def _tokenize_source(cfg: RunConfig, tokenizer: Any, rows: Any, source: str, what: str):
+def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, what: str):
     """(examples, DataReport) of one source's rows. Under torchrun each rank tokenizes a
     slice and all get every example back, in row order: every rank packs the same batches."""
-    from slipstream.data import tokenize_rows
-
-    d, t = cfg.data, cfg.train
-    options = dict(
-        format=d.format, train_on=d.train_on, overlong=d.overlong, strict=d.strict,
-        num_proc=d.num_proc, max_tokens=min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch),
-    )  # fmt: skip
+    from slipstream.data.sharded import tokenize_sharded
 
     def tokenize(part, first_row):
-        return tokenize_rows(part, tokenizer, first_row=first_row, **options)
+        return objective.tokenize(part, tokenizer, first_row)
 
     try:
-        examples, report = dist.tokenize_sharded(tokenize, rows, what)
+        examples, report = tokenize_sharded(tokenize, rows, what)
     except ValueError as e:
         raise ValueError(f"data source '{source}' ({what}): {e}") from None
     if not examples:

@@ -49,6 +49,7 @@ from slipstream.checkpoint.atomic import (
     fsync_path,
     is_disk_full,
 )
+from slipstream.train import sharded
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -113,7 +114,7 @@ def save_checkpoint(
     needed = 0
     try:
         if dist.is_sharded(model):
-            dist.save_sharded(tmp, model, optimizer)
+            sharded.save_shards(tmp, model, optimizer)
         else:
             state["model"] = trainable_state(model)
             state["optimizer"] = optimizer.state_dict()
@@ -286,11 +287,11 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore parameters, optimizer, scheduler and RNG from `path`; returns the raw state."""
     state = read_state(path)
-    dist.check_world_size(state.get("world_size", 1), path)
+    sharded.check_world_size(state.get("world_size", 1), path)
     if "model" not in state:  # written sharded (FSDP2)
         if not dist.is_sharded(model):
             raise ValueError(f"resume: {path} is sharded (FSDP); set train.parallel=fsdp")
-        dist.load_sharded(Path(path), model, optimizer)
+        sharded.load_shards(Path(path), model, optimizer)
     else:
         if dist.is_sharded(model):
             raise ValueError(f"resume: checkpoint {path} is not sharded; set train.parallel=ddp")

@@ -1,0 +1,69 @@
+"""Supervised fine-tuning: next-token cross-entropy on the labelled tokens (assistant turns by
+default), summed per micro-batch and normalised by the labelled-token count of the step.
+
+A MoE router's load-balancing loss joins the training loss as transformers adds it,
+`loss + coef * aux` per micro-batch: the summed form adds `coef * aux * N` (N the
+micro-batch's labelled tokens), so after the loop's one division by the step's labels each
+micro-batch weighs as in transformers. `aux_loss` is reported label-weighted the same way.
+In eval (model.eval()) the loss is the cross-entropy alone, so eval_ppl stays a perplexity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slipstream.models.moe_block import moe_aux_loss, router_aux_loss_coef
+
+
+class SFT:
+    """Labelled-token cross-entropy over packed chat or text examples."""
+
+    name = "sft"
+    perplexity = True
+
+    def __init__(self, cfg: Any = None) -> None:
+        """`cfg` (a RunConfig) sets the tokenizing options; without one only the loss side
+        (collate, weight, micro_batch_loss) is usable, as from the Python API."""
+        self.options: dict[str, Any] = {}
+        if cfg is None:
+            return
+        d, t = cfg.data, cfg.train
+        self.options = dict(
+            format=d.format, train_on=d.train_on, overlong=d.overlong, strict=d.strict,
+            num_proc=d.num_proc,
+            max_tokens=min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch),
+        )  # fmt: skip
+
+    def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
+        """(list[Example], DataReport): chat template, assistant-only labels (data/labels.py)."""
+        from slipstream.data import tokenize_rows
+
+        return tokenize_rows(rows, tokenizer, first_row=first_row, **self.options)
+
+    def length(self, example: Any) -> int:
+        return len(example.input_ids)
+
+    def collate(self, examples: list[Any]) -> Any:
+        from slipstream.data import collate
+
+        return collate(examples)
+
+    def weight(self, batch: Any) -> int:
+        return batch.num_labels
+
+    def micro_batch_loss(
+        self, model: torch.nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Summed cross-entropy (+ coef * aux * N in training); the LM head runs on the
+        labelled positions only. Hand-built batches without positions take the full path."""
+        positions = getattr(batch, "label_positions", None)
+        loss = model.loss(
+            batch.input_ids, batch.labels, batch.seq, reduction="sum", label_positions=positions
+        )
+        aux = moe_aux_loss(model)  # None unless a MoE block recorded router stats; clears them
+        if aux is None or not model.training:
+            return loss, {}
+        coef = router_aux_loss_coef(model)  # a Python float
+        return loss + (coef * batch.num_labels) * aux, {"aux_loss": aux * batch.num_labels}

@@ -1,0 +1,123 @@
+"""The step meter: the sums a logged step reports, kept on the device between logged steps
+and read to the host once per logged step.
+
+Between logged steps the meter adds each window's loss and metric sums (device tensors, no
+sync) and its host counts (weight, tokens, FLOPs from the host lengths). A logged step sums
+them over ranks and reads them with the grad norm in one transfer (`.tolist()` of a few
+numbers): with `log_every=10` one stall every 10 optimizer steps. Logged values are sums
+divided by the interval's weight (labelled tokens for SFT), so they average per unit of
+weight, not per micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from slipstream import distributed as dist
+from slipstream.train.flops import StepFlops
+from slipstream.train.metrics import MetricsLog, peak_flops, peak_memory_gb, perplexity
+
+
+class StepMeter:
+    """Interval counters, the logged-step read, the metrics log and the progress bar."""
+
+    def __init__(self, run: Any) -> None:
+        t = run.cfg.train
+        self.device, self.world = run.device, dist.world_size()
+        self.log_every, self.total_steps = t.log_every, run.total_steps
+        self.perplexity = run.objective.perplexity
+        self.log = MetricsLog(
+            run.out, total_steps=run.total_steps, start_step=run.start_step,
+            enabled=dist.is_main(),
+        )  # fmt: skip
+        self.flop_rate = peak_flops(run.device)
+        full = run.cfg.lora.method == "full"
+        self.step_flops = StepFlops(run.model, lora=not full) if self.flop_rate else None
+        self.tokens_total = run.tokens  # over all ranks, up to the last logged step
+        self.last_loss: float | None = None
+        self.loss = torch.zeros((), device=run.device)
+        self.metrics: dict[str, torch.Tensor] = {}
+        self.weight = self.tokens = self.flops = 0
+        self.last_time = time.perf_counter()
+
+    def add(self, window: list[Any], weight: int, loss: torch.Tensor, metrics: dict) -> None:
+        """One window of this rank: `weight` a host int, `loss` and `metrics` device sums."""
+        self.loss += loss
+        for name, value in metrics.items():
+            self.metrics.setdefault(name, torch.zeros((), device=self.device)).add_(value)
+        self.weight += weight
+        self.tokens += sum(b.input_ids.numel() for b in window)
+        if self.step_flops:  # from the host lengths: no device work
+            self.flops += sum(self.step_flops(b.seq.lengths) for b in window)
+
+    def end_step(self, step: int, grad_norm: torch.Tensor, lr: float, stop: bool) -> bool:
+        """Log `step` if it is due; returns True when a rank asked to stop (under torchrun
+        ranks agree at logged steps; a signal may reach them in different steps)."""
+        due = step % self.log_every == 0 or step == self.total_steps
+        stopping = False
+        if due or stop and self.world == 1:  # one process stops in the step the signal came
+            stopping = self._log_step(step, grad_norm, lr, stop)
+        self.log.bar.update(1)
+        return stopping
+
+    def _log_step(self, step: int, grad_norm: torch.Tensor, lr: float, stop: bool) -> bool:
+        names = sorted(self.metrics)  # the same on every rank: the objective reports them
+        values = [self.loss, *(self.metrics[n] for n in names)]
+        # The one host sync of a logged step: sums over ranks (one collective under
+        # torchrun) and the grad norm in one transfer.
+        sums = dist.sum_over_ranks([*values, self.weight, self.tokens, self.flops, stop],
+                                   self.device)  # fmt: skip
+        norm_1 = dist.full_tensor(grad_norm).double().view(1)
+        loss, *rest = torch.cat([sums, norm_1]).tolist()
+        *means, weight, tokens, flops, stops, norm = rest
+        weight = max(weight, 1)
+        now = time.perf_counter()
+        elapsed = max(now - self.last_time, 1e-9)
+        self.tokens_total += int(tokens)
+        self.last_loss = loss / weight
+        # Every rank's useful FLOPs over every rank's peak (train/flops.py).
+        mfu = flops / elapsed / (self.flop_rate * self.world) if self.flop_rate else None
+        self.log.log(
+            {
+                "step": step,
+                "loss": self.last_loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens": self.tokens_total,
+                "tokens_per_s": tokens / elapsed,
+                "peak_mem_gb": peak_memory_gb(self.device),
+                "mfu": mfu,
+                **{n: m / weight for n, m in zip(names, means)},
+            }
+        )
+        self.loss.zero_()
+        for value in self.metrics.values():
+            value.zero_()
+        self.weight = self.tokens = self.flops = 0
+        self.last_time = now
+        return stops > 0
+
+    def log_eval(self, step: int, result: dict[str, float]) -> float:
+        """One eval line (`eval_loss`, `eval_ppl` for token losses, `eval_<metric>`); the
+        time it took stays out of tokens/s. Returns the eval loss."""
+        loss = result["loss"]
+        ppl = {"eval_ppl": perplexity(loss)} if self.perplexity else {}
+        rest = {f"eval_{k}": v for k, v in result.items() if k != "loss"}
+        self.log.log({"step": step, "eval_loss": loss, **ppl, **rest})
+        self.pause()
+        return loss
+
+    def pause(self) -> None:
+        """Restart the interval clock (after an eval or a save)."""
+        self.last_time = time.perf_counter()
+
+    @property
+    def tokens_trained(self) -> int:
+        """Tokens so far: logged steps over all ranks, plus this rank's since the last one."""
+        return self.tokens_total + self.tokens
+
+    def close(self) -> None:
+        self.log.close()

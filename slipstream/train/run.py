@@ -1,0 +1,177 @@
+"""A run before and after its loop: `prepare_run(cfg)` builds everything the loop needs (device
+and parallel mode, objective, data, model, optimizer and schedule, the resumed state) into
+one `Run`; `save(run, ...)` writes a checkpoint; `finish_run` evaluates, saves the result
+and writes the summary.
+
+Order of work: output dir checked and config written; seeds; data tokenized and packed
+(cheap errors such as a bad file or a missing chat template come before the weights load);
+model loaded, LoRA applied (or every weight trainable), activation checkpointing applied,
+wrapped for data parallelism; AdamW and the schedule; resume.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream import distributed as dist
+from slipstream.checkpoint.hf import load_tokenizer, resolve_device
+from slipstream.config import RunConfig, check_output_dir, write_resolved_config
+from slipstream.objectives import build_objective
+from slipstream.train.meter import StepMeter
+from slipstream.train.metrics import peak_memory_gb, perplexity, plot_losses, write_json
+from slipstream.train.optim import build_optimizer, build_schedule
+from slipstream.train.setup import (
+    RunData,
+    build_data,
+    build_model,
+    report_dict,
+    save_result,
+    seed_everything,
+    set_chat_template,
+)
+from slipstream.train.state import find_resume_checkpoint, load_checkpoint, save_checkpoint
+
+
+@dataclass
+class Run:
+    """What the loop works with. `ddp` is the DDP wrapper the losses run through (None
+    without DDP); `model` is the model itself (under FSDP2, sharded in place)."""
+
+    cfg: RunConfig
+    out: Path
+    device: torch.device
+    objective: Any
+    tokenizer: Any
+    data: RunData
+    model: torch.nn.Module
+    ddp: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    total_steps: int
+    per_step: int  # micro-batches in one optimizer step, all ranks together
+    start_step: int = 0
+    tokens: int = 0  # tokens trained before this process started (resume)
+    eval_before: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> Run:
+    """Everything before the first step; `model`/`tokenizer` given skip their loading."""
+    t = cfg.train
+    out = check_output_dir(cfg.output_dir)
+    device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
+    if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
+        torch.cuda.set_device(device)
+    world = dist.world_size()
+    mode = dist.resolve_mode(
+        t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
+        optimizer=t.optimizer,
+    )  # fmt: skip
+    if dist.is_main():
+        write_resolved_config(cfg, out)
+    seed_everything(t.seed)  # the same seed on every rank: identical initial weights
+
+    objective = build_objective(cfg)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    data = build_data(cfg, tokenizer, objective)
+    model = model if model is not None else build_model(cfg, device)
+    ddp = dist.wrap_model(model, mode, device)
+    if world > 1:
+        dist.print_main(f"slipstream: {world} processes, parallel={mode}, device={device.type}")
+        torch.manual_seed(t.seed + dist.rank())  # but each rank its own dropout draws
+
+    optimizer = build_optimizer(
+        model.named_parameters(), lr=t.lr, weight_decay=t.weight_decay, device=device,
+        kind=t.optimizer,
+        lora_plus_ratio=cfg.lora.plus_ratio if cfg.lora.method == "lora" else None,
+    )  # fmt: skip
+    epochs = t.epochs if t.epochs is not None else 1.0
+    per_step = t.grad_accum * world
+    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step)
+    scheduler = build_schedule(
+        optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
+    )
+    run = Run(cfg, out, device, objective, tokenizer, data, model, ddp, optimizer, scheduler,
+              total_steps, per_step)  # fmt: skip
+    resume(run)
+    return run
+
+
+def resume(run: Run) -> None:
+    """Restore the checkpoint `cfg.resume` points at, if any, into `run`."""
+    checkpoint = find_resume_checkpoint(run.cfg.resume, run.out)
+    if checkpoint is None:
+        return
+    state = load_checkpoint(
+        checkpoint, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler
+    )
+    run.start_step = state["step"]
+    run.tokens = state["extra"].get("tokens", 0)
+    run.eval_before = state["extra"].get("eval_loss_before")
+    dist.print_main(f"slipstream: resuming from {checkpoint} (step {run.start_step})")
+
+
+def save(run: Run, step: int, tokens: int) -> Path:
+    """A resumable checkpoint of step `step` (every rank calls this; see train/state.py)."""
+    extra = {
+        "config": run.cfg.model_dump(mode="json"),
+        "tokens": tokens,
+        "eval_loss_before": run.eval_before,
+    }
+    return save_checkpoint(
+        run.out, step=step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+        extra=extra, keep=run.cfg.train.keep_checkpoints,
+    )  # fmt: skip
+
+
+def finish_run(
+    run: Run, meter: StepMeter, *, status: str, step: int, eval_after: float | None
+) -> dict[str, Any]:
+    """Close the log, save the result of a completed run, plot, write the summary."""
+    cfg, out = run.cfg, run.out
+    meter.close()
+    if status == "completed":
+        # FSDP2: every rank helps gather the weights; rank 0 writes them.
+        result = dist.unsharded(run.model, lambda: build_model(cfg, torch.device("cpu")))
+        if dist.is_main():
+            save_result(result, run.tokenizer, out, cfg)
+    plot = plot_losses(meter.log.path, out / "loss.png") if dist.is_main() else None
+    before = run.eval_before
+    summary = {
+        "status": status,
+        "steps": step,
+        "total_steps": run.total_steps,
+        "method": cfg.lora.method,
+        "final_train_loss": meter.last_loss,
+        "eval_loss_before": before,
+        "eval_loss_after": eval_after,
+        "eval_ppl_before": perplexity(before) if before is not None else None,
+        "eval_ppl_after": perplexity(eval_after) if eval_after is not None else None,
+        "tokens_trained": meter.tokens_total,
+        "seconds": time.perf_counter() - run.started,
+        "trainable_params": sum(p.numel() for p in run.params),
+        "total_params": sum(p.numel() for p in run.model.parameters()),
+        "peak_mem_gb": peak_memory_gb(run.device),
+        "device": str(run.device),
+        "packing_efficiency": run.data.packing_efficiency,
+        "train_examples": len(run.data.train),
+        "eval_examples": len(run.data.eval),
+        "data_report": report_dict(run.data.report),
+        "loss_plot": str(plot) if plot else None,
+        "output_dir": str(out),
+    }
+    if dist.is_main():
+        write_json(out / "summary.json", summary)
+    dist.close()
+    return summary
