@@ -56,6 +56,11 @@ def detect_format(columns: Iterable[str], override: str = "auto") -> str:
     for name, needed in _DETECT:
         if needed <= cols:
             return name
+    if {"chosen", "rejected"} <= cols:
+        raise ValueError(
+            f"columns {sorted(cols)} are preference data (chosen/rejected), which SFT cannot "
+            "train on; set train.objective to dpo, orpo or simpo."
+        )
     raise ValueError(
         f"cannot detect the data format from columns {sorted(cols)}; expected one of: "
         "messages | conversations | prompt+completion | instruction+output | text "

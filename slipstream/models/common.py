@@ -26,7 +26,7 @@ from torch import nn
 
 from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import attend
-from slipstream.ops.loss import linear_cross_entropy
+from slipstream.ops.loss import linear_cross_entropy, linear_token_logps
 from slipstream.ops.packing import SeqInfo
 
 
@@ -268,16 +268,25 @@ class CausalLM(nn.Module):
         `label_positions` (N,) int64: indices of (at least) the labelled positions, built on
         the host (`Batch.label_positions`). Only those rows go through the LM head; the
         result and gradients equal the full computation's (up to summation order).
+        `reduction="none"` (needs `label_positions`, every one labelled): the (N,) float32
+        cross-entropy of each of those positions, i.e. minus its target's log-prob, for
+        objectives that weigh tokens or sequences (slipstream/objectives/logps.py).
         """
         if labels_T.shape != input_ids_T.shape:
             raise ValueError(
                 f"labels has shape {tuple(labels_T.shape)} but input_ids has "
                 f"{tuple(input_ids_T.shape)}; they must match (flat packed layout)."
             )
+        if reduction == "none" and label_positions is None:
+            raise ValueError("reduction='none' needs label_positions (the rows to score)")
         h_TD = self.hidden_states(input_ids_T, seq)
         if label_positions is None:
             return linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
         _check_positions(label_positions, labels_T)
+        if reduction == "none":
+            h_ND = h_TD.index_select(0, label_positions)
+            targets_N = labels_T.index_select(0, label_positions)
+            return -linear_token_logps(h_ND, self.lm_head_weight(), targets_N)
         # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
         # Qwen3-0.6B); with 38% of rows labelled (chitchat) 62% of that fed losses of 0.
         # index_select by host-built indices has a known output shape, no host sync;

@@ -143,3 +143,43 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         gw = (grad_w_VD * grad_loss).to(w_dtype) if need_w else None
         gb = (grad_b_V * grad_loss).to(b_dtype) if need_b else None
         return gh, gw, None, gb, None, None, None
+
+
+def linear_token_logps(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log softmax(hidden_ND @ weight_VD.T)[n, targets_N[n]] for each row, in float32: (N,).
+
+    For objectives that need each token's log-prob (per-sequence sums in DPO, ratios in RL),
+    not one summed loss. Rows go through the head in chunks of at most 2**26 float32 logits;
+    with more than one chunk each is recomputed in backward (activation checkpointing), so
+    the peak is one chunk's logits, not N*V floats, for one more head matmul per chunk.
+    """
+    if hidden_ND.shape[:-1] != targets_N.shape or hidden_ND.dim() != 2:
+        raise ValueError(
+            f"hidden shape {tuple(hidden_ND.shape)} and targets shape {tuple(targets_N.shape)}: "
+            "expected hidden (N, D) and targets (N,)"
+        )
+    rows = chunk_size or max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
+    targets_N = targets_N.long()
+    if hidden_ND.shape[0] <= rows:
+        return _token_logps(hidden_ND, weight_VD, targets_N)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [
+        checkpoint(_token_logps, h, weight_VD, y, use_reentrant=False)
+        if torch.is_grad_enabled()
+        else _token_logps(h, weight_VD, y)
+        for h, y in zip(hidden_ND.split(rows), targets_N.split(rows), strict=True)
+    ]
+    return torch.cat(parts)
+
+
+def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor) -> torch.Tensor:
+    logits_CV = F.linear(h_CD, w_VD).float()
+    picked_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
+    return picked_C - torch.logsumexp(logits_CV, dim=-1)

@@ -1,0 +1,35 @@
+"""Per-token and per-sequence log-probs of a packed batch, for objectives that score sequences
+(DPO, ORPO, SimPO; GRPO's ratios).
+
+One forward over the packed stream; the LM head runs only on the scored positions
+(`positions`, host-built), each giving the log-prob of its target (`labels[t]`, the next
+token). A sequence's log-prob is the sum of its scored tokens' log-probs: a segment sum
+(`index_add_`) over host-built segment indices, so no host sync and no boolean mask. The
+head goes through `model.loss(..., reduction="none")`, the method data parallelism routes
+through its wrapper, so DDP and FSDP see the forward.
+
+Shapes: T tokens, N scored positions, S segments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logps(
+    model: torch.nn.Module,
+    input_ids_T: torch.Tensor,
+    labels_T: torch.Tensor,
+    seq,
+    positions_N: torch.Tensor,
+) -> torch.Tensor:
+    """log p(labels[t] | tokens <= t) at each scored position t: (N,) float32."""
+    return -model.loss(input_ids_T, labels_T, seq, reduction="none", label_positions=positions_N)
+
+
+def segment_sums(
+    values_N: torch.Tensor, segments_N: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """(S,) sums of `values_N` by segment index (host-built, int64, each < num_segments)."""
+    out_S = torch.zeros(num_segments, dtype=values_N.dtype, device=values_N.device)
+    return out_S.index_add(0, segments_N, values_N)

@@ -1,0 +1,306 @@
+"""Preference pairs: TRL's data formats, tokenized as TRL's `DPOTrainer` (1.16) tokenizes them,
+and packed as one example of two sequences.
+
+Formats (columns): `chosen` and `rejected`, with `prompt` (explicit prompt) or without it
+(implicit: chosen and rejected are whole texts or conversations sharing a prefix, which
+becomes the prompt as TRL's `extract_prompt` finds it: the common prefix by characters for
+strings, backing off one character when that is a space, by whole messages for
+conversations). Each field is a string ("standard") or a list of {"role", "content"}
+messages ("conversational"), one kind a row. Optional `tools` and `chat_template_kwargs`
+columns reach the chat template, as in TRL.
+
+Tokens, as TRL makes them:
+- standard: the eos token's text is appended to chosen and rejected unless they end with it;
+  `tokenizer(prompt)` and `tokenizer(prompt + chosen)` (special tokens such as a BOS included);
+- conversational: the chat template of the prompt with the generation prompt, and of
+  prompt + chosen (the completion keeps whatever the template puts after the reply);
+- the prompt is the common prefix of the prompt's ids and both full sequences' ids (a
+  template or merge that changes the prompt's last tokens moves the boundary back, as in
+  TRL); the completion is the rest of each sequence, and only completion tokens are scored.
+- a sequence over `max_tokens` is dropped (`overlong: drop`) or keeps its start (`truncate`,
+  TRL's `keep_start`); a pair whose prompt alone fills `max_tokens` is skipped.
+
+A row missing a field, with a field of the wrong type, chosen equal to rejected, an empty
+completion or a template error is counted under its reason and skipped (fatal with
+`strict`), as SFT rows are.
+
+Collated, a micro-batch of P pairs is 2P packed sequences, chosen then rejected of each pair
+(sequence 2i is pair i's chosen, 2i+1 its rejected), with the scored positions and each
+one's sequence index built on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slipstream.data.labels import DataReport
+from slipstream.ops.packing import SeqInfo
+
+PAIR_COLUMNS = ("chosen", "rejected")
+
+
+class PairRowError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class PairExample:
+    """One pair: the two token sequences (prompt + completion) and the prompt's length,
+    which is the same in both (the completion starts at `prompt_len`)."""
+
+    chosen: list[int]
+    rejected: list[int]
+    prompt_len: int
+    ref: tuple[float, float] | None = None  # reference log-probs, when precomputed
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+def check_pair_columns(columns: Sequence[str], objective: str, source: str = "data") -> None:
+    """A one-line error when the data has no `chosen`/`rejected` columns (e.g. SFT data)."""
+    missing = [c for c in PAIR_COLUMNS if c not in columns]
+    if missing:
+        raise ValueError(
+            f"train.objective={objective} needs preference data with columns chosen, rejected "
+            f"(and optionally prompt); {source} has no {' or '.join(missing)} "
+            f"(columns: {sorted(columns)}). Use train.objective=sft for this data."
+        )
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping)
+
+
+def _check_field(row: Mapping[str, Any], key: str) -> Any:
+    value = row.get(key)
+    if value is None:
+        raise PairRowError("missing_field", f"no {key!r}")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for i, m in enumerate(value):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise PairRowError("wrong_type", f"{key!r} message {i} has no 'role' string")
+            if not isinstance(m.get("content"), str):
+                raise PairRowError("wrong_type", f"{key!r} message {i} has no 'content' string")
+        return value
+    raise PairRowError("wrong_type", f"{key!r} is {type(value).__name__}, expected str or list")
+
+
+def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) from an implicit-prompt pair, as TRL's `extract_prompt`:
+    the prefix up to the first difference (by character or by message)."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # the space goes with the completion
+                idx -= 1
+            break
+    # No difference within the shorter one: TRL's loop leaves idx at its last value.
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def parse_pair_row(row: Mapping[str, Any], eos_token: str | None) -> tuple[Any, Any, Any, dict]:
+    """(prompt, chosen, rejected, template kwargs) of one row, checked; PairRowError if bad."""
+    chosen, rejected = _check_field(row, "chosen"), _check_field(row, "rejected")
+    if "prompt" in row:
+        prompt = _check_field(row, "prompt")
+    else:
+        if type(chosen) is not type(rejected):
+            raise PairRowError("mixed_formats", "chosen and rejected are of different kinds")
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    conversational = [_is_messages(v) for v in (prompt, chosen, rejected) if v]
+    if isinstance(prompt, list) != isinstance(chosen, list) or len(set(conversational)) > 1:
+        raise PairRowError("mixed_formats", "prompt, chosen and rejected mix strings and messages")
+    if chosen == rejected:
+        raise PairRowError("identical", "chosen equals rejected")
+    if not chosen or not rejected:
+        raise PairRowError("empty", "chosen or rejected is empty")
+    kwargs: dict[str, Any] = {}
+    if isinstance(chosen, list):
+        tools = row.get("tools")
+        kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+        kwargs.update(row.get("chat_template_kwargs") or {})
+    elif eos_token:
+        chosen = chosen if chosen.endswith(eos_token) else chosen + eos_token
+        rejected = rejected if rejected.endswith(eos_token) else rejected + eos_token
+    return prompt, chosen, rejected, kwargs
+
+
+def _ids(tokenizer: Any, content: Any, kwargs: dict, generation_prompt: bool = False) -> list[int]:
+    if isinstance(content, str):
+        return list(tokenizer(text=content)["input_ids"])
+    out = tokenizer.apply_chat_template(
+        content, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, **kwargs
+    )
+    return list(out["input_ids"])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_pair(tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
+    """The pair's token sequences as TRL's DPOTrainer builds them (module docstring)."""
+    prompt, chosen, rejected, kwargs = parse_pair_row(row, tokenizer.eos_token)
+    try:
+        prompt_ids = _ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
+        chosen_ids = _ids(tokenizer, prompt + chosen, kwargs)
+        rejected_ids = _ids(tokenizer, prompt + rejected, kwargs)
+    except Exception as e:  # jinja's errors for roles or fields a template does not allow
+        if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
+            raise
+        first_line = str(e).splitlines()[0] if str(e) else repr(e)
+        raise PairRowError("template_error", first_line) from None
+    prompt_len = min(
+        _common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids)
+    )
+    if prompt_len == len(chosen_ids) or prompt_len == len(rejected_ids):
+        raise PairRowError("empty", "chosen or rejected has no tokens after the prompt")
+    return PairExample(chosen_ids, rejected_ids, prompt_len)
+
+
+def tokenize_pairs(
+    rows: Any,
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    overlong: str = "drop",
+    strict: bool = False,
+    first_row: int = 0,
+) -> tuple[list[PairExample], DataReport]:
+    """Tokenize preference rows (a `datasets.Dataset` or list of dicts); every skip counted."""
+    if len(rows) == 0:
+        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
+    report = DataReport(rows=len(rows))
+    examples: list[PairExample] = []
+    for index, row in enumerate(rows, start=first_row):
+        if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
+            row = json.loads(row["_json"])
+        row = {k: v for k, v in row.items() if v is not None or k in PAIR_COLUMNS}
+        try:
+            ex = encode_pair(tokenizer, row)
+            if max(len(ex.chosen), len(ex.rejected)) > max_tokens:
+                if overlong == "drop":
+                    report.dropped += 1
+                    continue
+                if ex.prompt_len >= max_tokens:
+                    raise PairRowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
+                ex = PairExample(ex.chosen[:max_tokens], ex.rejected[:max_tokens], ex.prompt_len)
+                report.truncated += 1
+        except PairRowError as e:
+            if strict:
+                raise ValueError(
+                    f"data row {index}: {e} (strict mode; fix or remove the row)."
+                ) from None
+            report.skipped[e.reason] += 1
+            report.first_skip = report.first_skip or f"row {index}: {e}"
+            continue
+        examples.append(ex)
+        report.kept += 1
+        report.tokens += len(ex)
+        report.target_tokens += len(ex) - 2 * ex.prompt_len
+    if not examples:
+        raise ValueError(f"no usable preference pairs: {report.summary()}")
+    return examples, report
+
+
+@dataclass
+class PairBatch:
+    """P pairs packed as 2P sequences (chosen, rejected, chosen, ...). Host-built:
+    `input_ids` (T,); `labels` (T,) the shifted targets of the scored positions, -100
+    elsewhere; `positions` (N,) the scored positions, ascending; `segments` (N,) each scored
+    position's slot: its sequence index for completion tokens, 2P + i for pair i's chosen
+    prompt tokens (scored only when `score_prompt`: ORPO's NLL covers the prompt);
+    `completion_tokens` (2P,) float; `ref_logps` (2P,) when precomputed. Host ints:
+    `num_pairs`, `num_chosen_tokens` (targets in the chosen sequences, ORPO's NLL count)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    seq: SeqInfo
+    positions: torch.Tensor
+    segments: torch.Tensor
+    completion_tokens: torch.Tensor
+    num_pairs: int
+    num_chosen_tokens: int
+    ref_logps: torch.Tensor | None = None
+    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> PairBatch:
+        """The batch on `device`: two non-blocking copies (int64 and float32 buffers) + SeqInfo."""
+        device = torch.device(device)
+        ints, floats = self._host
+        if device.type == "cuda" and not ints.is_pinned():
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints = ints.to(device, non_blocking=True)
+        floats = floats.to(device, non_blocking=True)
+        T, N, S = self.input_ids.numel(), self.positions.numel(), 2 * self.num_pairs
+        ref = floats[S:] if self.ref_logps is not None else None
+        return PairBatch(
+            ints[:T], ints[T : 2 * T], self.seq.to(device), ints[2 * T : 2 * T + N],
+            ints[2 * T + N :], floats[:S], self.num_pairs, self.num_chosen_tokens, ref,
+            [ints, floats],
+        )  # fmt: skip
+
+
+def collate_pairs(
+    examples: Sequence[PairExample],
+    *,
+    score_prompt: bool = False,
+    ref_logps: Sequence[tuple[float, float]] | None = None,
+) -> PairBatch:
+    """Pack pairs into one batch (see PairBatch); `ref_logps` per pair when precomputed."""
+    if not examples:
+        raise ValueError("collate_pairs: no pairs; a batch needs at least one.")
+    P = len(examples)
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    lengths: list[int] = []
+    completion: list[float] = []
+    num_chosen = 0
+    for i, ex in enumerate(examples):
+        for j, seq_ids in enumerate((ex.chosen, ex.rejected)):
+            start, n, s = len(ids), len(seq_ids), 2 * i + j
+            # Position t scores token t+1: completion tokens are t+1 >= prompt_len.
+            first = 0 if score_prompt and j == 0 else ex.prompt_len - 1
+            ids.extend(seq_ids)
+            labels.extend([-100] * n)
+            for t in range(max(first, 0), n - 1):
+                labels[start + t] = seq_ids[t + 1]
+                positions.append(start + t)
+                segments.append(s if t + 1 >= ex.prompt_len else 2 * P + i)
+            lengths.append(n)
+            completion.append(float(n - ex.prompt_len))
+            if j == 0:
+                num_chosen += n - 1 - max(first, 0)
+    T, N = len(ids), len(positions)
+    ints = torch.tensor(ids + labels + positions + segments, dtype=torch.int64)
+    ref = [x for pair in ref_logps for x in pair] if ref_logps is not None else []
+    floats = torch.tensor(completion + ref, dtype=torch.float32)
+    if torch.cuda.is_available():
+        ints, floats = ints.pin_memory(), floats.pin_memory()
+    seq = SeqInfo.from_lengths(lengths)
+    return PairBatch(
+        ints[:T], ints[T : 2 * T], seq, ints[2 * T : 2 * T + N], ints[2 * T + N :],
+        floats[: 2 * P], P, num_chosen, floats[2 * P :] if ref_logps is not None else None,
+        [ints, floats],
+    )  # fmt: skip
