@@ -80,9 +80,6 @@ def test_split_by_fraction_is_seeded_and_disjoint(tmp_path):
         load_split(path, eval_fraction=1.5)
 
 
-def test_split_by_file(tmp_path):
-    train, held = load_split(
-        _jsonl(tmp_path / "t.jsonl", ROWS), eval_source=_jsonl(tmp_path / "e.jsonl", ROWS[:3])
-    )
-    assert len(train) == 20 and held.to_list() == ROWS[:3]
-    assert load_split(str(tmp_path / "t.jsonl"))[1] is None
+def test_no_split_without_a_fraction(tmp_path):
+    train, held = load_split(_jsonl(tmp_path / "t.jsonl", ROWS))
+    assert len(train) == 20 and held is None

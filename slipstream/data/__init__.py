@@ -3,8 +3,8 @@
 API (what the trainer calls):
     load_rows(source, *, split=None) -> datasets.Dataset
         local .jsonl/.json/.parquet/.csv file or a hub dataset id; errors name file and line.
-    load_split(source, *, eval_source=None, eval_fraction=0.0, seed=0, split=None)
-        -> (train_rows, eval_rows | None); held-out by a second file or a seeded fraction.
+    load_split(source, *, eval_fraction=0.0, seed=0, split=None)
+        -> (train_rows, eval_rows | None); a seeded fraction held out.
     tokenize_rows(rows, tokenizer, *, format="auto", train_on="assistant", max_tokens,
                   overlong="truncate", strict=False, num_proc=None)
         -> (list[Example], DataReport); Example.input_ids / .trainable (per token: a target?);

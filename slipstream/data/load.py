@@ -129,17 +129,13 @@ def load_rows(source: str, *, split: str | None = None) -> datasets.Dataset:
 def load_split(
     source: str,
     *,
-    eval_source: str | None = None,
     eval_fraction: float = 0.0,
     seed: int = 0,
     split: str | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train rows, held-out rows or None): held-out from `eval_source` or a seeded fraction."""
+    """(train rows, held-out rows or None): a seeded `eval_fraction` held out (separate eval
+    files are `data.eval`, loaded with `load_rows`)."""
     rows = load_rows(source, split=split)
-    if eval_source is not None:
-        if eval_fraction:
-            raise ValueError("set either data.eval_source or data.eval_fraction, not both.")
-        return rows, load_rows(eval_source, split=split)
     if not eval_fraction:
         return rows, None
     if not 0.0 < eval_fraction < 1.0:

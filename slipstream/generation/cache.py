@@ -171,5 +171,5 @@ def decode_seq(pos_B: torch.Tensor, kv: Decode) -> SeqInfo:
     """A `SeqInfo` of B one-token sequences at positions `pos_B`, carrying the decode step."""
     B = pos_B.shape[0]
     ar = torch.arange(B + 1, dtype=torch.int32, device=pos_B.device)
-    return SeqInfo(lengths=(1,) * B, cu_seqlens=ar, max_seqlen=1, max_seqlen_t=ar[1],
+    return SeqInfo(lengths=(1,) * B, cu_seqlens=ar, max_seqlen=1,
                    position_ids=pos_B, seq_ids=ar[:B], kv=kv)  # fmt: skip

@@ -30,7 +30,6 @@ class SeqInfo:
     lengths: host tuple of the N sequence lengths.
     cu_seqlens: (N+1,) int32 cumulative offsets, on the device.
     max_seqlen: longest sequence, a Python int (no sync to read it).
-    max_seqlen_t: the same as a 0-d int32 tensor on the device, for compiled code.
     position_ids: (T,) int64 position of each token inside its own sequence.
     seq_ids: (T,) int32 index of the sequence each token belongs to.
     """
@@ -38,7 +37,6 @@ class SeqInfo:
     lengths: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    max_seqlen_t: torch.Tensor
     position_ids: torch.Tensor
     seq_ids: torch.Tensor
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -69,8 +67,8 @@ class SeqInfo:
         cu = [0, *itertools.accumulate(lengths)]
         positions = [p for n in lengths for p in range(n)]
         seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
-        # One host buffer: [cu_seqlens (N+1) | max_seqlen (1) | positions (T) | seq_ids (T)].
-        host = torch.tensor([*cu, max(lengths), *positions, *seq_ids], dtype=torch.int32)
+        # One host buffer: [cu_seqlens (N+1) | positions (T) | seq_ids (T)].
+        host = torch.tensor([*cu, *positions, *seq_ids], dtype=torch.int32)
         return cls._from_host(lengths, host, device)
 
     @classmethod
@@ -86,9 +84,8 @@ class SeqInfo:
             lengths=lengths,
             cu_seqlens=buf[: n + 1],
             max_seqlen=max(lengths),
-            max_seqlen_t=buf[n + 1],
-            position_ids=buf[n + 2 : n + 2 + total].long(),
-            seq_ids=buf[n + 2 + total :],
+            position_ids=buf[n + 1 : n + 1 + total].long(),
+            seq_ids=buf[n + 1 + total :],
             _host=host,
         )
 
