@@ -13,11 +13,11 @@ from helpers.models import make_hf_model
 from helpers.tokenizers import save_test_tokenizer
 from transformers import AutoTokenizer
 
+from slipstream.checkpoint.adapter import load_adapter
 from slipstream.checkpoint.hf import load_model
 from slipstream.objectives.pairs import tokenize_pairs
 from slipstream.objectives.preference import Preference
 from slipstream.objectives.reference import ReferencePolicy
-from slipstream.peft.adapter_file import load_adapter
 
 trl = pytest.importorskip("trl")
 
