@@ -39,6 +39,10 @@ class ModelSection(_Section):
     path: str = Field(description="HF checkpoint folder (config.json + *.safetensors) or GGUF file")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 GPU, fp32 CPU
     quantization: Literal["none", "nf4"] = "none"
+    # A PEFT adapter folder to start from (e.g. an SFT run's output), for every objective:
+    # with LoRA its factors (and r, alpha, targets) replace the lora section's fresh ones;
+    # with lora.method=full it is merged into the weights first.
+    adapter: str | None = None
 
 
 class DataSection(_Section):
@@ -124,11 +128,27 @@ class TrainSection(_Section):
         return value
 
 
+class PreferenceSection(_Section):
+    """train.objective = dpo | orpo | simpo (slipstream/objectives/preference.py)."""
+
+    beta: float = Field(0.1, gt=0)  # DPO's KL weight (IPO's tau); ORPO's lambda; SimPO's beta
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO only
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO / SimPO
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    # DPO's reference with LoRA: start = the starting adapter, frozen (the base when the
+    # adapter is fresh); base = the model with adapters disabled. Full fine-tuning: a copy.
+    reference: Literal["start", "base"] = "start"
+    # Compute the reference log-probs of every pair once before training (no frozen copy
+    # of the model kept with full fine-tuning; no reference forward per step).
+    precompute_reference: bool = False
+
+
 class RunConfig(_Section):
     model: ModelSection
     data: DataSection
     lora: LoraSection = LoraSection()
     train: TrainSection = TrainSection()
+    preference: PreferenceSection = PreferenceSection()
     output_dir: str
     resume: bool | str = False  # true: latest checkpoint in output_dir; or a checkpoint path
 

@@ -21,7 +21,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-OBJECTIVES: dict[str, str] = {"sft": "slipstream.objectives.sft:SFT"}
+OBJECTIVES: dict[str, str] = {
+    "sft": "slipstream.objectives.sft:SFT",
+    "dpo": "slipstream.objectives.preference:Preference",
+    "orpo": "slipstream.objectives.preference:Preference",
+    "simpo": "slipstream.objectives.preference:Preference",
+}
 
 
 def build_objective(cfg: Any) -> Any:

@@ -25,6 +25,7 @@ Metrics (TRL's names, summed over pairs; the trainer divides by pairs): `rewards
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from slipstream.objectives.logps import segment_sums, token_logps
 from slipstream.objectives.pairs import PairExample, check_pair_columns, collate_pairs
+from slipstream.objectives.reference import adapters_disabled, build_reference
 
 OBJECTIVES = ("dpo", "orpo", "simpo")
 
@@ -124,6 +126,33 @@ class Preference:
             max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
             overlong=d.overlong, strict=d.strict,
         )  # fmt: skip
+
+    def attach(self, model: torch.nn.Module, cfg: Any, data: Any, device: Any) -> None:
+        """Before training (and before any data-parallel wrapping): DPO's reference policy
+        (objectives/reference.py), or its log-probs precomputed once for every pair."""
+        if self.name != "dpo":
+            return
+        p, full = cfg.preference, cfg.lora.method == "full"
+        from_adapter = cfg.model.adapter is not None
+        if not p.precompute_reference:
+            self.reference = build_reference(
+                model, full=full, reference=p.reference, from_adapter=from_adapter
+            )
+            return
+        base = not full and (p.reference == "base" or not from_adapter)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), adapters_disabled(model) if base else nullcontext():
+            for examples, batches in ((data.train, data.train_batches),
+                                      (data.eval, data.eval_batches)):  # fmt: skip
+                for indices in batches:
+                    pairs = [examples[i] for i in indices]
+                    batch = collate_pairs(pairs).to(device)
+                    logps = self.sequence_logps(model, batch)[: 2 * len(pairs)].tolist()
+                    for k, ex in enumerate(pairs):  # one host read per batch, before training
+                        ex.ref = (logps[2 * k], logps[2 * k + 1])
+        model.train(was_training)
+        self.reference = None
 
     # -- data ---------------------------------------------------------------------------
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:

@@ -30,6 +30,7 @@ from slipstream.train.setup import (
     RunData,
     build_data,
     build_model,
+    check_adapter_dir,
     report_dict,
     save_result,
     seed_everything,
@@ -82,10 +83,14 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     seed_everything(t.seed)  # the same seed on every rank: identical initial weights
 
     objective = build_objective(cfg)
+    if cfg.model.adapter is not None:  # a wrong path is said before the data and weights load
+        check_adapter_dir(cfg.model.adapter)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
     data = build_data(cfg, tokenizer, objective)
     model = model if model is not None else build_model(cfg, device)
+    if hasattr(objective, "attach"):  # e.g. DPO's reference policy, before any sharding
+        objective.attach(model, cfg, data, device)
     ddp = dist.wrap_model(model, mode, device)
     if world > 1:
         dist.print_main(f"slipstream: {world} processes, parallel={mode}, device={device.type}")

@@ -105,7 +105,16 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
             raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
         set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
-    if cfg.lora.method == "lora":
+    if cfg.model.adapter is not None:
+        from slipstream.checkpoint.adapter import load_adapter
+
+        # The adapter's own r, alpha and targets (adapter_config.json) win over `lora`'s.
+        load_adapter(model, check_adapter_dir(cfg.model.adapter))
+        if cfg.lora.method == "full":  # full fine-tuning starts from the merged weights
+            from slipstream.peft.lora import merge_lora
+
+            merge_lora(model)
+    if cfg.lora.method == "lora" and cfg.model.adapter is None:
         from slipstream.peft.lora import apply_lora
 
         lo = cfg.lora
@@ -113,7 +122,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
             model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
             use_rslora=lo.use_rslora, use_dora=lo.use_dora,
         )  # fmt: skip
-    else:
+    elif cfg.lora.method == "full":
         model.requires_grad_(True)
     mode = cfg.train.activation_checkpointing
     if mode == "auto":  # offload pays on a GPU; on CPU there is no device memory to save
@@ -127,6 +136,19 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 
         apply_compile(model)
     return model
+
+
+def check_adapter_dir(path: str) -> Path:
+    """model.adapter: a folder with adapter_config.json and adapter_model.safetensors."""
+    p = Path(path).expanduser()
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
+               if not (p / f).is_file()]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"model.adapter: '{p}' is not a PEFT adapter folder (no {' or '.join(missing)}); "
+            "give the output_dir of a LoRA run or a folder peft's save_pretrained wrote"
+        )
+    return p
 
 
 def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
