@@ -1,8 +1,10 @@
-"""The `slipstream` command: train, demo, export, generate, chat, bench.
+"""The `slipstream` command: train, preview, config, demo, export, generate, chat, bench.
 
     slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
+    slipstream preview CONFIG.yaml [key=value ...] the data as the run will see it (no model)
+    slipstream config [SECTION]                    every config key: default, meaning
     slipstream demo                                LoRA on SmolLM2-135M, no network
-    slipstream export ADAPTER_DIR --base MODEL --out DIR
+    slipstream export RUN_OR_ADAPTER_DIR --out DIR [--base MODEL]
     slipstream export RUN_OR_ADAPTER_DIR --gguf TYPE [--out FILE]   (or --gguf-adapter)
     slipstream generate MODEL_OR_RUN_DIR "prompt" [--temperature T --top-p P --top-k K ...]
     slipstream generate MODEL_OR_RUN_DIR --input prompts.jsonl --output out.jsonl
@@ -12,6 +14,9 @@
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
 (bad config, missing file, unwritable output dir, bad data). Our own bugs still print a
 traceback; set SLIPSTREAM_DEBUG=1 to get one for user errors too.
+
+Imports are lazy: `--help`, config errors and path errors answer before torch is imported
+(it alone takes seconds), and every path is checked before a weight is read.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from slipstream.checkpoint.atomic import DiskFullError
 
 # Disk full is not the user's mistake, but it is theirs to fix: one line, exit 2.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ValidationError, DiskFullError)
+# (pydantic's ValidationError is a ValueError.)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, DiskFullError)
+CONFIG_HELP = (
+    "every config key, its default and meaning: `slipstream config [SECTION]`; "
+    "example configs: configs/; see the data before training: `slipstream preview`"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="Fast LLM fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="fine-tune a model as a YAML config describes")
+    p = sub.add_parser(
+        "train", help="fine-tune a model as a YAML config describes", epilog=CONFIG_HELP
+    )
     p.add_argument("config", help="run config (YAML); see configs/")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser(
+        "preview",
+        help="tokenize the data as a run would (tokenizer only, no model) and report",
+        epilog=CONFIG_HELP,
+    )
+    p.add_argument("config", help="run config (YAML)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.train=x.jsonl")
+    p.set_defaults(run=cmd_preview)
+
+    p = sub.add_parser("config", help="print every config key with its default and meaning")
+    p.add_argument("section", nargs="?", help="model, data, lora or train (default: all)")
+    p.set_defaults(run=cmd_config)
 
     p = sub.add_parser("demo", help="LoRA on SmolLM2-135M-Instruct with chitchat (offline)")
     p.add_argument("--output-dir", default="runs/demo")
@@ -97,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from slipstream.config import check_output_dir, load_config
+    from slipstream.sources import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
-    check_output_dir(cfg.output_dir)  # before any expensive import or load
+    check_run_paths(cfg)  # model, data, template: before torch is imported or a weight read
+    check_output_dir(cfg.output_dir)
     import torch
 
     from slipstream.distributed import is_main
@@ -122,27 +147,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return result if isinstance(result, int) else 0
 
 
+def cmd_preview(args: argparse.Namespace) -> int:
+    from slipstream.config import load_config
+    from slipstream.sources import check_run_paths
+
+    cfg = load_config(args.config, args.overrides)
+    check_run_paths(cfg)
+    from slipstream.preview import preview
+
+    print(preview(cfg, color=sys.stdout.isatty()))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from slipstream.config import describe_config
+
+    print(describe_config(args.section))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if args.gguf or args.gguf_adapter:
         return cmd_export_gguf(args)
-    if not args.base or not args.out:
-        raise ValueError(
-            "export to the HF layout needs --base MODEL and --out DIR (or --gguf TYPE)"
-        )
-    from slipstream.config import check_output_dir
+    if not args.out:
+        raise ValueError("export to the HF layout needs --out DIR (or --gguf TYPE)")
+    from slipstream.sources import adapter_base, check_adapter_dir, check_model_path
 
-    adapter = Path(args.adapter_dir)
-    if not (adapter / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"no adapter_config.json in '{adapter}' (is it an adapter dir?)")
-    check_output_dir(args.out)
+    adapter = check_adapter_dir(args.adapter_dir, "export")
+    base = args.base or adapter_base(adapter)
+    check_model_path(base, "--base" if args.base else f"export: the base in {adapter}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: --out '{out}' is a file; give a folder")
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
     from slipstream.checkpoint.export import export_merged
     from slipstream.checkpoint.hf import load_model, load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_source(adapter, args.base))
-    model = load_model(args.base)
+    tokenizer = load_tokenizer(tokenizer_source(adapter, base))
+    model = load_model(base)
     load_adapter(model, adapter)
-    out = export_merged(model, args.out, tokenizer=tokenizer)
+    out = export_merged(model, out, tokenizer=tokenizer)  # written whole, or not at all
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
     return 0
@@ -198,7 +242,7 @@ def out_of_memory_advice(cfg, e: BaseException) -> str:
 
 
 def one_line(e: BaseException) -> str:
-    if isinstance(e, ValidationError):
+    if type(e).__name__ == "ValidationError" and hasattr(e, "errors"):  # pydantic's
         from slipstream.config import format_validation_error
 
         return format_validation_error(e)

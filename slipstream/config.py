@@ -35,32 +35,44 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _opt(default: Any, meaning: str, **rules: Any) -> Any:
+    """A config field: its default, one line of meaning (`slipstream config` prints it), rules."""
+    return Field(default, description=meaning, **rules)
+
+
 class ModelSection(_Section):
-    path: str = Field(description="HF checkpoint folder (config.json + *.safetensors) or GGUF file")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 GPU, fp32 CPU
-    quantization: Literal["none", "nf4"] = "none"
-    # A PEFT adapter folder to start from (e.g. an SFT run's output), for every objective:
-    # with LoRA its factors (and r, alpha, targets) replace the lora section's fresh ones;
-    # with lora.method=full it is merged into the weights first.
-    adapter: str | None = None
+    path: str = Field(
+        description="HF checkpoint folder, .gguf file, hub id, or a built-in name (smollm2-demo)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
+        "auto", "weights' dtype; auto: bf16 on GPU, float32 on CPU"
+    )
+    quantization: Literal["none", "nf4"] = _opt("none", "nf4: QLoRA (4-bit base, bitsandbytes)")
+    adapter: str | None = _opt(
+        None, "PEFT adapter folder to start from (LoRA: its factors; full: merged in first)"
+    )
 
 
 class DataSection(_Section):
-    # A local jsonl/json/parquet/csv file or a hub dataset id, or a list of them (mixed
-    # formats allowed): their examples are pooled, then packed and shuffled together.
-    train: str | list[str]
-    split: str | None = None  # for hub datasets: which split (train and eval file alike)
-    eval: str | list[str] | None = None  # held-out source(s); or use eval_fraction (per source)
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    format: str = "auto"  # auto-detected from the columns unless given
-    # A .jinja file or the template text, replacing the tokenizer's chat template (base models
-    # have none); saved with the tokenizer, so `slipstream generate` and transformers use it.
-    chat_template: str | None = None
-    train_on: Literal["assistant", "all"] = "assistant"
-    max_tokens: int | None = Field(None, gt=0)  # per example; default: train.tokens_per_batch
-    overlong: Literal["truncate", "drop"] = "drop"
-    strict: bool = False  # a bad row is fatal instead of counted and skipped
-    num_proc: int | None = Field(None, gt=0)
+    train: str | list[str] = Field(
+        description="jsonl/json/parquet/csv file or hub dataset id, or a list (pooled)"
+    )
+    split: str | None = _opt(None, "hub datasets: which split (train and eval alike)")
+    eval: str | list[str] | None = _opt(None, "held-out source(s); or use eval_fraction")
+    eval_fraction: float = _opt(0.0, "share of each train source held out for eval", ge=0.0, lt=1.0)
+    format: str = _opt(
+        "auto", "auto (from the columns) | messages | sharegpt | prompt_completion | alpaca | text"
+    )
+    chat_template: str | None = _opt(
+        None, "a .jinja file or the template text, replacing the tokenizer's (saved with it)"
+    )
+    train_on: Literal["assistant", "all"] = _opt("assistant", "which tokens are trained")
+    max_tokens: int | None = _opt(
+        None, "longest example in tokens; default: train.tokens_per_batch", gt=0
+    )
+    overlong: Literal["truncate", "drop"] = _opt("drop", "what happens to a longer example")
+    strict: bool = _opt(False, "a bad row is fatal instead of counted and skipped")
+    num_proc: int | None = _opt(None, "tokenizer processes; default: several over 20k rows", gt=0)
 
     @field_validator("train", "eval")
     @classmethod
@@ -72,51 +84,62 @@ class DataSection(_Section):
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:
         if self.eval is not None and self.eval_fraction > 0:
-            raise ValueError("set data.eval or data.eval_fraction, not both")
+            raise ValueError(
+                "data.eval and data.eval_fraction are both set; drop one "
+                "(e.g. data.eval_fraction=0 to use data.eval)"
+            )
         return self
 
 
 class LoraSection(_Section):
-    method: Literal["lora", "full"] = "lora"  # full: every parameter is trained
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    targets: str | list[str] = "all-linear"
-    use_rslora: bool = False
-    use_dora: bool = False  # DoRA: a trained magnitude per output row (slipstream/peft/dora.py)
-    plus_ratio: float | None = Field(None, gt=0)  # LoRA+: B factors at this multiple of the lr
+    method: Literal["lora", "full"] = _opt("lora", "lora: adapters; full: every weight trained")
+    rank: int = _opt(16, "LoRA rank r", gt=0)
+    alpha: float = _opt(32.0, "LoRA alpha (scale alpha / rank)", gt=0)
+    dropout: float = _opt(0.0, "dropout on the LoRA input", ge=0.0, lt=1.0)
+    targets: str | list[str] = _opt("all-linear", "all-linear, or module names (q_proj, ...)")
+    use_rslora: bool = _opt(False, "rank-stabilised scale alpha / sqrt(rank)")
+    use_dora: bool = _opt(False, "DoRA: a trained magnitude per output row")
+    plus_ratio: float | None = _opt(None, "LoRA+: B factors at this multiple of the lr", gt=0)
 
 
 class TrainSection(_Section):
-    # What the loss is: sft (labelled tokens); slipstream/objectives/ lists the others.
-    objective: str = "sft"
-    lr: float = Field(2e-4, gt=0)
-    schedule: Literal["linear", "cosine", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    steps: int | None = Field(None, gt=0)  # when set, wins over epochs
-    epochs: float | None = Field(None, gt=0)  # default 1 when steps is not set
-    tokens_per_batch: int = Field(8192, gt=0)  # per micro-batch, packed without padding
-    grad_accum: int = Field(1, gt=0)
-    clip: float | None = Field(1.0, gt=0)  # max grad norm; null: no clipping
-    weight_decay: float = Field(0.0, ge=0)
-    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes 8-bit states
-    seed: int = 0
-    eval_every: int = Field(0, ge=0)  # 0: eval at start and end only
-    # Fixed prompts the model answers (greedy) at each eval, into the log and metrics.jsonl.
-    sample_prompts: list[str] = Field(default_factory=list)
-    sample_max_new_tokens: int = Field(64, gt=0)
-    save_every: int = Field(0, ge=0)  # 0: no mid-run checkpoints
-    keep_checkpoints: int = Field(2, gt=0)
-    log_every: int = Field(10, gt=0)
-    activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = "auto"
-    compile: bool = False  # regional torch.compile of attention/MLP blocks (slipstream/compile.py)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # Under torchrun: auto = ddp for LoRA/QLoRA, fsdp (FSDP2) for full fine-tuning.
-    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
-    dist_timeout_s: float = Field(1800.0, gt=0)  # a rank waits this long in a collective
-    # MoE load-balancing loss weight; null: the checkpoint's own (config.json's
-    # router_aux_loss_coef if output_router_logits, else off); 0: off
-    router_aux_loss_coef: float | None = Field(None, ge=0)
+    objective: str = _opt(
+        "sft", "what the loss is: sft (labelled tokens); see slipstream/objectives/"
+    )
+    lr: float = _opt(2e-4, "peak learning rate", gt=0)
+    schedule: Literal["linear", "cosine", "constant"] = _opt("cosine", "lr schedule after warmup")
+    warmup_steps: int = _opt(0, "steps of linear warmup", ge=0)
+    steps: int | None = _opt(None, "optimizer steps; when set, wins over epochs", gt=0)
+    epochs: float | None = _opt(None, "passes over the data; default 1 when steps is unset", gt=0)
+    tokens_per_batch: int = _opt(8192, "tokens per micro-batch, packed without padding", gt=0)
+    grad_accum: int = _opt(1, "micro-batches per optimizer step", gt=0)
+    clip: float | None = _opt(1.0, "max grad norm; null: no clipping", gt=0)
+    weight_decay: float = _opt(0.0, "AdamW weight decay", ge=0)
+    optimizer: Literal["adamw", "adamw_8bit"] = _opt(
+        "adamw", "adamw_8bit: bitsandbytes 8-bit states (full fine-tuning, one GPU)"
+    )
+    seed: int = _opt(0, "seeds data order, LoRA init and dropout")
+    eval_every: int = _opt(0, "eval every N steps; 0: at start and end only", ge=0)
+    sample_prompts: list[str] = Field(
+        default_factory=list,
+        description="prompts the model answers (greedy) at each eval, into the log and metrics",
+    )
+    sample_max_new_tokens: int = _opt(64, "reply length of sample_prompts", gt=0)
+    save_every: int = _opt(0, "checkpoint every N steps; 0: no mid-run checkpoints", ge=0)
+    keep_checkpoints: int = _opt(2, "how many mid-run checkpoints to keep", gt=0)
+    log_every: int = _opt(10, "log every N steps (one host sync each)", gt=0)
+    activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = _opt(
+        "auto", "auto: offload on GPU, recompute on CPU"
+    )
+    compile: bool = _opt(False, "regional torch.compile of attention and MLP blocks")
+    device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = _opt(
+        "auto", "under torchrun; auto: ddp for LoRA/QLoRA, fsdp (FSDP2) for full"
+    )
+    dist_timeout_s: float = _opt(1800.0, "seconds a rank waits in a collective", gt=0)
+    router_aux_loss_coef: float | None = _opt(
+        None, "MoE load-balancing loss weight; null: the checkpoint's own; 0: off", ge=0
+    )
 
     @field_validator("objective")
     @classmethod
@@ -131,26 +154,30 @@ class TrainSection(_Section):
 class PreferenceSection(_Section):
     """train.objective = dpo | orpo | simpo (slipstream/objectives/preference.py)."""
 
-    beta: float = Field(0.1, gt=0)  # DPO's KL weight (IPO's tau); ORPO's lambda; SimPO's beta
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO only
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO / SimPO
-    simpo_gamma: float = 0.5  # SimPO's target margin
+    beta: float = _opt(0.1, "DPO's KL weight (IPO's tau); ORPO's lambda; SimPO's beta", gt=0)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = _opt("sigmoid", "DPO's loss")
+    label_smoothing: float = _opt(0.0, "conservative DPO / SimPO", ge=0, lt=0.5)
+    simpo_gamma: float = _opt(0.5, "SimPO's target margin")
     # DPO's reference with LoRA: start = the starting adapter, frozen (the base when the
     # adapter is fresh); base = the model with adapters disabled. Full fine-tuning: a copy.
-    reference: Literal["start", "base"] = "start"
+    reference: Literal["start", "base"] = _opt(
+        "start", "DPO's reference: the starting adapter frozen, or the base (adapters off)"
+    )
     # Compute the reference log-probs of every pair once before training (no frozen copy
     # of the model kept with full fine-tuning; no reference forward per step).
-    precompute_reference: bool = False
+    precompute_reference: bool = _opt(False, "reference log-probs once, before training")
 
 
 class RunConfig(_Section):
-    model: ModelSection
-    data: DataSection
-    lora: LoraSection = LoraSection()
-    train: TrainSection = TrainSection()
-    preference: PreferenceSection = PreferenceSection()
-    output_dir: str
-    resume: bool | str = False  # true: latest checkpoint in output_dir; or a checkpoint path
+    model: ModelSection = Field(description="the checkpoint to fine-tune")
+    data: DataSection = Field(description="training and eval data")
+    lora: LoraSection = Field(LoraSection(), description="adapters or full fine-tuning")
+    train: TrainSection = Field(TrainSection(), description="the loop")
+    preference: PreferenceSection = Field(
+        PreferenceSection(), description="dpo | orpo | simpo objectives' settings"
+    )
+    output_dir: str = Field(description="where the run writes its results")
+    resume: bool | str = _opt(False, "true: latest checkpoint in output_dir; or a checkpoint path")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
@@ -243,17 +270,23 @@ KNOWN_ALIASES = {
 
 
 def closest_key(key: str) -> str | None:
-    """The valid dotted key nearest to `key` (known aliases, full path, then the last part)."""
-    leaf = key.rsplit(".", 1)[-1]
+    """The valid dotted key `key` was probably meant to be: a known alias, or a key whose
+    last part is spelled nearly alike (same section first) or contains it; else None, rather
+    than a guess that only shares the section's name."""
+    section, _, leaf = key.rpartition(".")
     if leaf in KNOWN_ALIASES:
         return KNOWN_ALIASES[leaf]
     keys = valid_keys()
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    if match:
-        return match[0]
-    by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys if "." in k}
-    match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
-    return by_leaf[match[0]] if match else None
+    for pool in ([k for k in keys if k.rpartition(".")[0] == section], keys):
+        by_leaf = {k.rpartition(".")[2]: k for k in reversed(pool)}
+        match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+        if match:
+            return by_leaf[match[0]]
+        if len(leaf) >= 4:
+            within = [name for name in by_leaf if leaf.lower() in name]
+            if len(within) == 1:
+                return by_leaf[within[0]]
+    return None
 
 
 def format_validation_error(e: ValidationError) -> str:
@@ -264,7 +297,7 @@ def format_validation_error(e: ValidationError) -> str:
     if first["type"] == "missing":
         return f"config: missing required key '{loc}'{more}"
     msg = first["msg"].removeprefix("Value error, ")
-    if not loc:  # a model-level rule (e.g. two keys that exclude each other)
+    if not loc or isinstance(first.get("input"), dict):  # a rule over a section's keys
         return f"config: {msg}{more}"
     return f"config: {loc}: {msg} (got {first.get('input')!r}){more}"
 
@@ -320,3 +353,37 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             raise ValueError(f"override '{key}': '{where}' is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def describe_config(section: str | None = None) -> str:
+    """Every key (of one section, or all) with its default and meaning, from the models'
+    field descriptions: what `slipstream config [SECTION]` prints."""
+    sections = {n: _section_type(f.annotation) for n, f in RunConfig.model_fields.items()}
+    if section is not None and sections.get(section) is None:
+        names = ", ".join(n for n, sub in sections.items() if sub is not None)
+        raise ValueError(f"config: no section '{section}' (sections: {names})")
+    rows: list[tuple[str, str, str]] = []
+    for name, field in RunConfig.model_fields.items():
+        sub = sections[name]
+        if section is not None and name != section:
+            continue
+        if sub is None:
+            rows.append((name, _default_text(field), field.description or ""))
+            continue
+        rows.append((f"{name}:", "", field.description or ""))
+        for key, f in sub.model_fields.items():
+            rows.append((f"  {key}", _default_text(f), f.description or ""))
+    width = max(len(k) for k, _, _ in rows) + 2
+    dwidth = max(len(d) for _, d, _ in rows) + 2
+    return "\n".join(f"{k:<{width}}{d:<{dwidth}}{m}".rstrip() for k, d, m in rows)
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.get_default()
+    if isinstance(value, BaseModel):
+        return ""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return str(value)

@@ -27,9 +27,11 @@ GPU_PLAN = dict(train_rows=3000, eval_rows=64, steps=60, tokens_per_batch=16384,
 PROMPT = "Hi! What did you do this weekend?"
 
 
-def demo_config(out: str, gguf: Path, data_dir: Path, plan: dict) -> dict:
+def demo_config(out: str, data_dir: Path, plan: dict) -> dict:
     return {
-        "model": {"path": str(gguf)},
+        # The built-in name, not the file's path inside this venv: the adapter records the
+        # hub id for peft and this name for `slipstream generate` on any machine.
+        "model": {"path": "smollm2-demo"},
         "data": {
             "train": str(data_dir / "train.jsonl"),
             "eval": str(data_dir / "eval.jsonl"),
@@ -78,7 +80,7 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     plan = GPU_PLAN if torch.cuda.is_available() else CPU_PLAN
     data_dir = Path(out) / "data"
     write_demo_data(data_dir, plan)
-    cfg = config_from_dict(demo_config(out, gguf, data_dir, plan))
+    cfg = config_from_dict(demo_config(out, data_dir, plan))
 
     device = resolve_device(cfg.train.device)
     print(f"slipstream demo: SmolLM2-135M-Instruct from {gguf.name} on {device}", file=sys.stderr)

@@ -116,8 +116,13 @@ def test_missing_required_key(tmp_path):
 
 
 def test_eval_file_and_fraction_exclusive(config_file):
-    with pytest.raises(ValueError, match="data.eval or data.eval_fraction"):
+    """A data.eval override on a config with eval_fraction: one short line saying which to
+    drop, not the data section dumped."""
+    with pytest.raises(ValueError) as e:
         load_config(config_file, ["data.eval=held.jsonl"])
+    msg = str(e.value)
+    assert "data.eval and data.eval_fraction are both set; drop one" in msg
+    assert "data.eval_fraction=0" in msg and "got" not in msg and "{" not in msg
 
 
 def test_malformed_override_and_files(config_file, tmp_path):

@@ -1,6 +1,17 @@
 """Checkpoint files: Hugging Face safetensors (hf.py), PEFT adapters (adapter.py), merged export
-(export.py), atomic writes (atomic.py); `gguf`: llama-architecture GGUF -> HF config, tensors."""
+(export.py), atomic writes (atomic.py); `gguf`: llama-architecture GGUF -> HF config, tensors.
 
-from slipstream.checkpoint.gguf import gguf_tokenizer, read_gguf, smollm2_gguf_path
+The names are imported on first use: `slipstream.checkpoint.atomic` (which the CLI imports)
+must not pull in torch through gguf.py."""
+
+from typing import Any
 
 __all__ = ["gguf_tokenizer", "read_gguf", "smollm2_gguf_path"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from slipstream.checkpoint import gguf
+
+        return getattr(gguf, name)
+    raise AttributeError(f"module 'slipstream.checkpoint' has no attribute {name!r}")

@@ -42,6 +42,7 @@ from slipstream.peft.names import (
     peft_path,
     target_modules,
 )
+from slipstream.sources import SOURCE_KEY
 
 
 def _lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -61,7 +62,12 @@ def _lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(
     model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
 ) -> Path:
-    """Write adapter_config.json + adapter_model.safetensors in PEFT's layout; returns dir."""
+    """Write adapter_config.json + adapter_model.safetensors in PEFT's layout; returns dir.
+
+    The base recorded is `base_model_name_or_path`, else the one `load_model` noted: the hub
+    id when one is known (a GGUF file's source checkpoint), so peft loads it; where slipstream
+    loaded it from (a built-in name, a .gguf path) goes in the weights file's metadata under
+    `slipstream.base_model`, read back by `slipstream.sources.adapter_base`."""
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise ValueError("save_adapter: the model has no LoRA; call apply_lora(model) first")
@@ -76,6 +82,10 @@ def save_adapter(
     unwrapped = [name for name, *_ in linear_children(model)]
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
+    metadata = {"format": "pt"}
+    source = getattr(model, "source", None)
+    if source and source != base_model_name_or_path:
+        metadata[SOURCE_KEY] = str(source)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -102,22 +112,12 @@ def save_adapter(
     if cfg.get("target_parameters"):  # only then: older PEFT versions lack the key
         config["target_parameters"] = cfg["target_parameters"]
     try:
-        atomic_write(
-            out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"})
-        )
+        atomic_write(out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata=metadata))
         text = json.dumps(config, indent=2) + "\n"
         atomic_write(out / ADAPTER_CONFIG, lambda p: Path(p).write_text(text))
     except OSError as e:
         raise ValueError(f"cannot write adapter to {out}: {e.strerror}") from None
     return out
-
-
-def adapter_base(adapter: Path) -> str:
-    """The base model an adapter was trained on, as its adapter_config.json records it."""
-    base = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter}/{ADAPTER_CONFIG} names no base model; pass --base MODEL")
-    return base
 
 
 def tokenizer_source(adapter: Path, base: str) -> str:

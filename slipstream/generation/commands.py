@@ -13,9 +13,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slipstream.generation.api import Completion, generate_rows
+if TYPE_CHECKING:  # imported where used: `slipstream --help` must not import torch
+    from slipstream.generation.api import Completion
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -40,14 +41,18 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def load(args: argparse.Namespace):
     """(model, tokenizer) of a model folder, or of an adapter folder on its base model."""
-    from slipstream.checkpoint.adapter import adapter_base, load_adapter, tokenizer_source
-    from slipstream.checkpoint.hf import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from slipstream.sources import adapter_base, check_model_path
 
     src = Path(args.model)
     adapter = src if (src / "adapter_config.json").is_file() else None
     base = args.base or (adapter_base(adapter) if adapter else args.model)
+    what = "--base" if args.base else f"the base in {adapter}" if adapter else "model"
+    check_model_path(base, what)  # before torch: a missing path is said to be one at once
+    from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
+    from slipstream.checkpoint.hf import load_model, load_tokenizer, resolve_device, resolve_dtype
+
     device = resolve_device(args.device)
-    tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base)
+    tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base, what)
     model = load_model(base, dtype=resolve_dtype("auto", device), device=device)
     if adapter:
         load_adapter(model, adapter)
@@ -70,6 +75,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--input needs --output FILE.jsonl for the completions")
     rows = read_jsonl(Path(args.input)) if args.input else None
     model, tokenizer = load(args)
+    from slipstream.generation.api import generate_rows
+
     kw = dict(sampling_kwargs(args), tokenizer=tokenizer, return_logprobs=args.logprobs,
               num_return_sequences=args.num_return_sequences)  # fmt: skip
     if rows is None:
@@ -113,6 +120,7 @@ def write_completions(model, prompts, lines, out: Path, args, kw) -> None:
     from tqdm import tqdm
 
     from slipstream.checkpoint.atomic import atomic_write_text
+    from slipstream.generation.api import generate_rows
 
     done: list[str] = []
     with tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr) as bar:
@@ -138,6 +146,8 @@ def completion_row(c: Completion, line: int, sample: int) -> dict:
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read a message, stream the reply, repeat; an empty line or Ctrl-D ends the chat."""
     model, tokenizer = load(args)
+    from slipstream.generation.api import generate_rows
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {args.model} has no chat template; use generate")
     messages: list[dict] = []

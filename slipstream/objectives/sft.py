@@ -34,6 +34,10 @@ class SFT:
             format=d.format, train_on=d.train_on, overlong=d.overlong, strict=d.strict,
             num_proc=d.num_proc,
             max_tokens=min(d.max_tokens or t.tokens_per_batch, t.tokens_per_batch),
+            # The setting that sets the limit, named when every example is over it.
+            limit_name="data.max_tokens"
+            if d.max_tokens is not None and d.max_tokens < t.tokens_per_batch
+            else "train.tokens_per_batch",
         )  # fmt: skip
 
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,34 +32,47 @@ class RunData:
     eval_batches: list[list[int]]
     report: Any
     packing_efficiency: float
+    formats: dict[str, str] = dataclasses.field(default_factory=dict)  # source -> row format
 
 
 def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData:
     """Load, tokenize (as the objective does) and split each source, pool them and pack;
     report what was skipped, truncated or dropped."""
     from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
+    from slipstream.data.load import EmptySplitError
     from slipstream.data.sharded import merge_reports
     from slipstream.objectives import build_objective
+    from slipstream.sources import check_run_paths
 
+    check_run_paths(cfg)  # every file, before the first is read
     d, t = cfg.data, cfg.train
     objective = objective if objective is not None else build_objective(cfg)
-    examples, eval_examples, reports = [], [], []
+    examples, eval_examples, reports, formats = [], [], [], {}
     sources = _sources(d.train)
     for source in sources:
-        rows, eval_rows = load_split(
-            source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
-        )
+        try:
+            rows, eval_rows = load_split(
+                source, eval_fraction=d.eval_fraction, seed=t.seed, split=d.split
+            )
+        except EmptySplitError:  # the rows' own problems (none usable) are the news, if any
+            rows = load_rows(source, split=d.split)
+            _tokenize_source(objective, tokenizer, rows, source, "train")
+            raise
         part, report = _tokenize_source(objective, tokenizer, rows, source, "train")
         examples += part
         reports.append(report)
+        formats[source] = getattr(report, "format", "")
         if eval_rows is not None:
             eval_examples += _tokenize_source(objective, tokenizer, eval_rows, source, "eval")[0]
         if len(sources) > 1:
             dist.print_main(f"slipstream: {source}: {report.summary()}")
     for source in _sources(d.eval):
         rows = load_rows(source, split=d.split)
-        eval_examples += _tokenize_source(objective, tokenizer, rows, source, "eval")[0]
+        part, eval_report = _tokenize_source(objective, tokenizer, rows, source, "eval")
+        eval_examples += part
+        formats.setdefault(source, getattr(eval_report, "format", ""))
     report = merge_reports(reports)
+    report.format = ", ".join(dict.fromkeys(getattr(r, "format", "") for r in reports))
     lengths = [objective.length(ex) for ex in examples]
     train_batches = pack_examples(lengths, t.tokens_per_batch)
     eval_lengths = [objective.length(ex) for ex in eval_examples]
@@ -68,7 +82,9 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
         f"slipstream: {len(examples)} train / {len(eval_examples)} eval examples, "
         f"{len(train_batches)} batches, packing {efficiency:.1%}; {report.summary()}"
     )
-    return RunData(examples, train_batches, eval_examples, eval_batches, report, efficiency)
+    return RunData(
+        examples, train_batches, eval_examples, eval_batches, report, efficiency, formats
+    )
 
 
 def _sources(value: str | list[str] | None) -> list[str]:
@@ -100,7 +116,11 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     if quantize and cfg.lora.method == "full":
         raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
     dtype = resolve_dtype(cfg.model.dtype, device)
+    what = f"{str(dtype).removeprefix('torch.')}{', NF4' if quantize else ''}"
+    dist.print_main(f"slipstream: loading the model weights from {cfg.model.path} ({what})...")
+    start = time.perf_counter()
     model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
+    dist.print_main(f"slipstream: model loaded in {time.perf_counter() - start:.0f} s")
     if cfg.train.router_aux_loss_coef is not None:
         if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
             raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
@@ -156,11 +176,13 @@ def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfi
     if cfg.lora.method == "full":
         from slipstream.checkpoint.hf import save_model
 
-        save_model(model, out)
+        save_model(model, out, tokenizer=tokenizer)
     else:
         from slipstream.checkpoint.adapter import save_adapter
 
-        save_adapter(model, out, base_model_name_or_path=cfg.model.path)
+        # The base as load_model noted it (a GGUF's hub id); a model passed in: the config's.
+        base = None if getattr(model, "name_or_path", None) else cfg.model.path
+        save_adapter(model, out, base_model_name_or_path=base)
     if hasattr(tokenizer, "save_pretrained"):  # into a temp folder, then renamed file by file
         atomic_write_files(out, tokenizer.save_pretrained)
 

