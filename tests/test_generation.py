@@ -287,3 +287,27 @@ def test_sample_replies_for_the_training_log(chat_model):
         {"prompt": "hi there", "reply": ref[0].text.strip()},
         {"prompt": "Do you like music?", "reply": ref[1].text.strip()},
     ]}]  # fmt: skip
+
+
+def test_trainer_logs_sample_replies_at_each_eval(tiny_run, tmp_path):
+    import json
+
+    from helpers.runs import run_config
+    from transformers import AutoTokenizer
+
+    from slipstream.config import RunConfig
+
+    prompts = ["Hi!", "What color is the sky?"]
+    raw = run_config(tiny_run, tmp_path / "out", steps=2, eval_every=1,
+                     sample_prompts=prompts, sample_max_new_tokens=5)  # fmt: skip
+    slipstream.train(RunConfig.model_validate(raw))
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    samples = {r["step"]: r["samples"] for r in lines if "samples" in r}
+    assert sorted(samples) == [0, 1, 2]  # before training, at the eval of step 1, at the end
+    assert [s["prompt"] for s in samples[2]] == ["Hi!", "What color is the sky?"]
+    # The last replies are those of the saved model.
+    model = slipstream.load_model(tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    msgs = [[{"role": "user", "content": s["prompt"]}] for s in samples[2]]
+    ref = slipstream.generate(model, msgs, tokenizer=tok, max_new_tokens=5)
+    assert [s["reply"] for s in samples[2]] == [c.text.strip() for c in ref]

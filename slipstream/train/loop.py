@@ -30,6 +30,7 @@ from slipstream import distributed as dist
 from slipstream.config import RunConfig
 from slipstream.train.meter import StepMeter
 from slipstream.train.run import Run, finish_run, prepare_run, save
+from slipstream.train.samples import log_samples
 from slipstream.train.state import StopSignal
 
 
@@ -38,8 +39,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     run = prepare_run(cfg, model=model, tokenizer=tokenizer)
     t, objective = cfg.train, run.objective
     meter = StepMeter(run)
-    if run.start_step == 0 and run.data.eval:
-        run.eval_before = meter.log_eval(0, evaluate(run))
+    if run.start_step == 0 and evaluates(run):
+        run.eval_before = eval_point(run, meter, 0)
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
     stream = micro_batch_stream(len(run.data.train_batches), t.seed, run.start_step * run.per_step)
     clip = t.clip if t.clip is not None else math.inf
@@ -63,8 +64,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             )
 
             last = step == run.total_steps
-            if t.eval_every and step % t.eval_every == 0 and not last and run.data.eval:
-                meter.log_eval(step, evaluate(run))
+            if t.eval_every and step % t.eval_every == 0 and not last and evaluates(run):
+                eval_point(run, meter, step)
             if t.save_every and step % t.save_every == 0 and not last or stopping:
                 save(run, step, meter.tokens_trained)
                 meter.pause()  # keep save time out of tokens/s
@@ -77,8 +78,8 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 break
 
     eval_after = None
-    if status == "completed" and run.data.eval:
-        eval_after = meter.log_eval(step, evaluate(run))
+    if status == "completed" and evaluates(run):
+        eval_after = eval_point(run, meter, step)
     return finish_run(run, meter, status=status, step=step, eval_after=eval_after)
 
 
@@ -112,6 +113,22 @@ def accumulate_gradients(
 
 
 @torch.no_grad()
+def evaluates(run: Run) -> bool:
+    return bool(run.data.eval or run.cfg.train.sample_prompts)
+
+
+def eval_point(run: Run, meter: StepMeter, step: int) -> float | None:
+    """The eval line (with eval data), then replies to `train.sample_prompts`; returns the
+    eval loss or None."""
+    loss = meter.log_eval(step, evaluate(run)) if run.data.eval else None
+    t = run.cfg.train
+    if t.sample_prompts:
+        log_samples(meter.log, step, run.model, run.tokenizer, t.sample_prompts,
+                    t.sample_max_new_tokens)  # fmt: skip
+        meter.pause()  # keep sampling time out of tokens/s
+    return loss
+
+
 def evaluate(run: Run) -> dict[str, float]:
     """Loss and metrics per unit of weight over the eval set (one host sync, at the end).
 
