@@ -354,3 +354,18 @@ def test_slipstream_train_is_callable_whatever_was_imported_first():
     import slipstream.train.setup  # noqa: F401 (sets slipstream.train to the package)
 
     assert callable(slipstream.train)
+
+
+def test_train_says_the_format_and_that_the_model_is_loading(tiny_run, tmp_path, capsys):
+    import torch
+
+    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.train.setup import build_data, build_model
+
+    cfg = load_config(write_yaml(tmp_path / "r.yaml", run_config(tiny_run, tmp_path / "out")))
+    build_data(cfg, load_tokenizer(cfg.model.path))
+    build_model(cfg, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert "data (messages): 42 rows -> 42 examples" in err
+    assert f"loading the model weights from {tiny_run[0]} (float32)..." in err
+    assert "model loaded in" in err
