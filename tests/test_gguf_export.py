@@ -225,3 +225,58 @@ def test_gguf_lora_applied_to_base_equals_merged(lora_run, tmp_path):
         a, b = ab[name + ".lora_a"], ab[name + ".lora_b"]
         applied = plain[name] + alpha / a.shape[0] * (b @ a)
         np.testing.assert_allclose(applied, merged[name], atol=1e-5, err_msg=name)
+
+
+def test_bf16_roundtrip_through_our_import(tmp_path, tokenizer):
+    hf = tiny_hf("qwen2")
+    ours = ours_from_hf(hf)
+    path = export_gguf(ours, tmp_path / "m.gguf", "bf16", tokenizer=tokenizer)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_up.weight"] == "BF16"
+    back = dict(load_model(path).named_parameters())
+    for name, p in ours.named_parameters():
+        want = p if p.ndim == 1 else p.to(torch.bfloat16).float()  # 1-D tensors stay f32
+        torch.testing.assert_close(back[name], want, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "kind, overrides, match",
+    [
+        ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=256), "query_pre_attn_scalar"),
+        ("gpt_oss", dict(swiglu_limit=1.0), "swiglu_limit"),
+        ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob"),
+    ],
+)
+def test_what_llama_cpp_would_compute_differently_is_refused(
+    tmp_path, tokenizer, kind, overrides, match
+):
+    if kind == "gemma3_text":
+        hf = make_hf_model(kind, **{**DENSE, **overrides})
+    else:
+        hf = make_hf_moe_model(kind, vocab_size=VOCAB, **overrides)
+    with pytest.raises(ValueError, match=match):
+        export_gguf(ours_from_hf(hf), tmp_path / "m.gguf", "f16", tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpt_oss_experts_in_llama_cpp_layout(tmp_path, tokenizer):
+    """gate/up de-interleaved and (E, out, in): what llama.cpp's converter writes."""
+    hf = make_hf_moe_model("gpt_oss", vocab_size=VOCAB, swiglu_limit=7.0)
+    ours = ours_from_hf(hf)
+    path = export_gguf(ours, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
+    t = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(path)).tensors}
+    experts = hf.model.layers[1].mlp.experts
+    gate_up = experts.gate_up_proj.detach().numpy()  # (E, D, 2I), gate at even columns
+    np.testing.assert_array_equal(
+        t["blk.1.ffn_gate_exps.weight"], gate_up[..., 0::2].swapaxes(1, 2)
+    )
+    np.testing.assert_array_equal(t["blk.1.ffn_up_exps.weight"], gate_up[..., 1::2].swapaxes(1, 2))
+    np.testing.assert_array_equal(
+        t["blk.1.ffn_down_exps.weight"], experts.down_proj.detach().numpy().swapaxes(1, 2)
+    )
+    bias = experts.gate_up_proj_bias.detach().numpy()
+    np.testing.assert_array_equal(t["blk.1.ffn_up_exps.bias"], bias[:, 1::2])
+    sinks = hf.model.layers[0].self_attn.sinks.detach().numpy()
+    np.testing.assert_array_equal(t["blk.0.attn_sinks.weight"], sinks)
+    fields = gguf.GGUFReader(str(path)).fields
+    assert int(fields["gpt-oss.expert_count"].contents()) == 8

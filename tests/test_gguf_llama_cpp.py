@@ -1,0 +1,123 @@
+"""Our GGUF files in llama.cpp itself (llama-cpp-python, the `slipstream[gguf]` extra): logits
+and greedy tokens match ours, the GGUF LoRA moves the logits as merging does, K-quants load.
+Skipped where llama-cpp-python is not installed (it builds llama.cpp from source)."""
+
+import pytest
+import torch
+
+from slipstream.checkpoint.gguf_export import export_gguf
+from slipstream.ops.packing import SeqInfo
+from tests.helpers.models import make_hf_model, ours_from_hf
+from tests.helpers.moe_models import make_hf_moe_model
+from tests.helpers.tokenizers import save_test_tokenizer
+
+llama_cpp = pytest.importorskip("llama_cpp")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+OVERRIDES = {
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16),  # llama.cpp: 1/sqrt(head_dim)
+    "qwen3": dict(head_dim=16),
+    "mistral": dict(sliding_window=None),
+}
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "gpt_oss"]
+PROMPT = "Hello, how are you doing today? I went hiking in the mountains."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = save_test_tokenizer(tmp_path_factory.mktemp("tok"), "chatml", vocab_size=VOCAB)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def tiny(kind: str):
+    if kind == "qwen3_moe":
+        return make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, head_dim=16)
+    if kind == "gpt_oss":  # llama.cpp fixes the clamp at 7.0
+        return make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, swiglu_limit=7.0)
+    return make_hf_model(kind, **{**DENSE, **OVERRIDES.get(kind, {})})
+
+
+def llama_cpp_logits(path, ids: list[int], lora=None):
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
+        lora_path=str(lora) if lora else None,
+    )  # fmt: skip
+    llm.eval(ids)
+    return llm, torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
+
+
+def greedy_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out = []
+    for _ in range(n):
+        nxt = int(llm.scores[llm.n_tokens - 1].argmax())
+        out.append(nxt)
+        llm.eval([nxt])
+    return out
+
+
+def greedy_ours(model, ids: list[int], n: int) -> list[int]:
+    seq_ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            t = torch.tensor(seq_ids)
+            seq_ids.append(int(model(t, SeqInfo.from_lengths([len(t)]))[-1].argmax()))
+    return seq_ids[len(ids) :]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_llama_cpp_logits_and_greedy_match(tmp_path, tokenizer, kind):
+    ours = ours_from_hf(tiny(kind))
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        ref = ours(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
+    path = export_gguf(ours, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
+    llm, got = llama_cpp_logits(path, ids)
+    # llama.cpp keeps K/V in f16 and sums in its own order: ~1e-3 of the logit scale.
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 5e-3, f"{kind}: llama.cpp logits differ by {err:.2e} (relative)"
+    assert greedy_llama_cpp(llm, ids, 8) == greedy_ours(ours, ids, 8)
+
+
+def test_llama_cpp_q8_0_and_k_quants_load(tmp_path, tokenizer):
+    ours = ours_from_hf(make_hf_model("llama", **{**DENSE, "hidden_size": 256,
+                                                   "intermediate_size": 512}))  # fmt: skip
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        ref = ours(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
+    for type, tol in (("q8_0", 3e-2), ("q6_k", 6e-2), ("q4_k_m", 2e-1)):
+        path = export_gguf(ours, tmp_path / f"{type}.gguf", type, tokenizer=tokenizer)
+        _, got = llama_cpp_logits(path, ids)
+        err = (got - ref).abs().max() / ref.abs().max()
+        assert 0 < err < tol, f"{type}: {err:.2e}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q4_k_m.gguf", "q6_k.gguf", "q8_0.gguf"]
+
+
+def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer):
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.peft.lora import apply_lora, merge_lora
+    from tests.helpers.models import randomise_lora_b
+
+    hf = tiny("llama")
+    hf.save_pretrained(tmp_path / "base")
+    model = load_model(tmp_path / "base")
+    export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
+    apply_lora(model, rank=8, alpha=16, targets="all-linear")
+    randomise_lora_b(model)
+    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "base"))
+    lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")
+    merge_lora(model)
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        merged = model(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
+    _, plain = llama_cpp_logits(tmp_path / "base.gguf", ids)
+    _, adapted = llama_cpp_logits(tmp_path / "base.gguf", ids, lora=lora)
+    moved = (merged - plain).abs().max()
+    assert moved > 0.05  # the adapter does change the logits
+    assert (adapted - merged).abs().max() < 0.05 * moved
