@@ -20,6 +20,7 @@ the Hugging Face tokenizer. Every file is written to a temp name and renamed whe
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import tempfile
@@ -115,7 +116,7 @@ def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, type
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(gguf.LlamaFileType[K_TYPES[type]])
     params.nthread = max(1, (os.cpu_count() or 1))
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise ValueError(
             f"llama.cpp could not quantize {src} to {type} (llama_model_quantize: {rc})."
