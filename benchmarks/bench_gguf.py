@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     from slipstream.checkpoint.adapter import adapter_base, load_adapter
     from slipstream.checkpoint.gguf_export import export_run_gguf
-    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.hf import load_model, load_tokenizer
     from slipstream.peft.lora import merge_lora
-    from slipstream.train.setup import load_tokenizer
 
     run = Path(args.run)
     out_dir = Path(args.out_dir or run)
