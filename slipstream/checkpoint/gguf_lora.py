@@ -83,7 +83,7 @@ def _base_config(base: str) -> Any:
     else:
         from slipstream.checkpoint.hf import _resolve_folder, read_config
 
-        hf = read_config(_resolve_folder(base))
+        hf = read_config(_resolve_folder(Path(base)))
     return family_for(hf.get("model_type")).config_from_hf(hf)
 
 
