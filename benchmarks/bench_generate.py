@@ -39,12 +39,18 @@ COLUMNS = ["batch", "prompt tokens", "new tokens", "transformers tok/s", "ours t
            "speedup", "goal", "same tokens"]  # fmt: skip
 
 
-def prompts_for(batch: int, seed: int = 0) -> list[list[int]]:
+# --tiny: the same prompts and loop on a model whose matmuls cost next to nothing, so the
+# per-step overhead of the two loops is what is timed.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+
+
+def prompts_for(batch: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     if batch == 1:
-        return [torch.randint(0, 49152, (64,), generator=g).tolist()]
+        return [torch.randint(0, vocab, (64,), generator=g).tolist()]
     lengths = torch.linspace(16, 128, batch).round().long().tolist()
-    return [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def hf_generate(hf, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -63,7 +69,7 @@ def ours_generate(model, prompts: list[list[int]], new: int) -> list[list[int]]:
 
 
 def measure(hf, ours, batch: int, new: int, reps: int) -> dict:
-    prompts = prompts_for(batch)
+    prompts = prompts_for(batch, hf.config.vocab_size)
     runs = {"transformers": lambda: hf_generate(hf, prompts, new),
             "ours": lambda: ours_generate(ours, prompts, new)}  # fmt: skip
     outputs = {name: fn() for name, fn in runs.items()}  # also the warm-up
@@ -87,12 +93,13 @@ def measure(hf, ours, batch: int, new: int, reps: int) -> dict:
     }
 
 
-def build(layers: int):
+def build(layers: int, tiny: bool = False):
     import transformers
 
     import slipstream
 
-    cfg = transformers.LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers})
+    shape = {**SMOLLM2_135M, **(TINY if tiny else {}), "num_hidden_layers": layers}
+    cfg = transformers.LlamaConfig(**shape)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
     ours = common.build_random_model({**cfg.to_dict(), "model_type": "llama"})
@@ -108,19 +115,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 layers, 16 new tokens, 1 rep")
+    ap.add_argument("--tiny", action="store_true", help="hidden 64, vocab 256: overhead only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.new, args.reps = 2, 16, 1
     torch.set_num_threads(1)  # the machine's cores are shared: one thread is stable
-    hf, ours = build(args.layers)
+    hf, ours = build(args.layers, args.tiny)
     with torch.no_grad():
         rows = [measure(hf, ours, b, args.new, args.reps) for b in (1, 16)]
     command = "python benchmarks/bench_generate.py " + " ".join(argv or sys.argv[1:])
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"greedy generation, SmolLM2-135M shape at {args.layers} layers, float32")
+        shape = "tiny (hidden 64, vocab 256)" if args.tiny else "SmolLM2-135M"
+        print(f"greedy generation, {shape} shape at {args.layers} layers, float32")
         print(common.header(common.run_info(), command.strip()))
         print(common.markdown_table(rows, COLUMNS))
     return rows
