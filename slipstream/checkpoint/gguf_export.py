@@ -52,7 +52,7 @@ K_TYPES = {
     "q6_k": "MOSTLY_Q6_K",
 }
 GGUF_TYPES = (*PURE_TYPES, *K_TYPES)
-INSTALL_EXTRA = "pip install 'slipstream[gguf]'  (builds llama.cpp: ~N minutes, see README)"
+INSTALL_EXTRA = "pip install 'slipstream[gguf]' (it compiles llama.cpp; see README)"
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0",
               "q5_1": "MOSTLY_Q5_1"}  # fmt: skip
