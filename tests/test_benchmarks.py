@@ -19,6 +19,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_generate  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
 import bench_moe  # noqa: E402
@@ -167,3 +168,11 @@ def test_loss_quick(capsys):
     for r in rows:
         assert r["loss rel diff"] < 1e-6 and r["grad rel diff"] < 1e-5, r
         assert r["full ms"] > 0 and r["positions ms"] > 0
+
+
+def test_generate_quick_tiny(capsys):
+    rows = bench_generate.main(["--quick", "--tiny"])
+    table_header(capsys.readouterr().out, bench_generate.COLUMNS)
+    assert [r["batch"] for r in rows] == [1, 16]
+    assert [r["same tokens"] for r in rows] == ["1/1", "16/16"]  # greedy: both sides agree
+    assert all(r["ours tok/s"] > 0 and r["transformers tok/s"] > 0 for r in rows)
