@@ -28,7 +28,7 @@ from slipstream.peft.lora import (
     wrap_lora,
 )
 from slipstream.peft.lora_experts import (
-    expert_lora_keys,
+    expert_lora_factors,
     expert_lora_tensors,
     load_expert_lora_tensors,
 )
@@ -168,7 +168,7 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     tensors = load_file(weights_path)
     expected = _lora_tensors(model)
     has_experts = bool(model.lora_config.get("target_parameters"))
-    expert_keys = expert_lora_keys(model) if has_experts else set()
+    expert_keys = set(expert_lora_factors(model)) if has_experts else set()
     for key in tensors:
         if key not in expected and key not in expert_keys:
             _unexpected_key(model, key, weights_path)

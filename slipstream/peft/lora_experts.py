@@ -121,49 +121,45 @@ def wrap_experts(
     return target_parameters(targets)
 
 
-def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT key -> tensor in PEFT's layout, for every expert LoRA factor in the model."""
-    out = {}
-    for path, module in expert_lora_modules(model).items():
-        for key, (name, part) in expert_keys(path, module.targets).items():
-            if part == "A":  # (E, r, in) -> (E*r, in)
-                t = module.lora_A[name].detach().flatten(0, 1)
-            else:  # (E, out, r) -> (out, r, E) -> (out, r*E)
-                t = module.lora_B[name].detach().permute(1, 2, 0).flatten(1)
-            out[key] = t.contiguous().cpu()
-    return out
-
-
-def expert_lora_keys(model: nn.Module) -> set[str]:
-    """The PEFT keys of every expert LoRA factor in the model."""
+def expert_lora_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, str]]:
+    """PEFT key -> (stacked factor, "A"|"B") for every expert LoRA factor in the model."""
     return {
-        k for path, m in expert_lora_modules(model).items() for k in expert_keys(path, m.targets)
+        key: (m.lora_A[name] if part == "A" else m.lora_B[name], part)
+        for path, m in expert_lora_modules(model).items()
+        for key, (name, part) in expert_keys(path, m.targets).items()
     }
 
 
+def expert_lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> tensor in PEFT's layout, for every expert LoRA factor in the model."""
+    out = {}
+    for key, (param, part) in expert_lora_factors(model).items():
+        if part == "A":  # (E, r, in) -> (E*r, in)
+            t = param.detach().flatten(0, 1)
+        else:  # (E, out, r) -> (out, r, E) -> (out, r*E)
+            t = param.detach().permute(1, 2, 0).flatten(1)
+        out[key] = t.contiguous().cpu()
+    return out
+
+
+@torch.no_grad()
 def load_expert_lora_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source) -> None:
     """Copy PEFT-layout expert factors into the model's LoRAExperts; one-line errors. Other
     keys in `tensors` are the caller's to check."""
-    expected = {}
-    for path, module in expert_lora_modules(model).items():
-        for key, target in expert_keys(path, module.targets).items():
-            expected[key] = (module, *target)
-    with torch.no_grad():
-        for key, (module, name, part) in expected.items():
-            if key not in tensors:
-                raise ValueError(f"{source}: missing tensor {key}")
-            param = module.lora_A[name] if part == "A" else module.lora_B[name]
-            E, rows, cols = param.shape
-            shape = (E * rows, cols) if part == "A" else (rows, cols * E)
-            t = tensors[key]
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"{source}: tensor {key} has shape {tuple(t.shape)}, the model expects {shape}"
-                )
-            if part == "A":
-                param.copy_(t.view(E, rows, cols))
-            else:  # (out, r*E) -> (out, r, E) -> (E, out, r)
-                param.copy_(t.view(rows, cols, E).permute(2, 0, 1))
+    for key, (param, part) in expert_lora_factors(model).items():
+        if key not in tensors:
+            raise ValueError(f"{source}: missing tensor {key}")
+        E, rows, cols = param.shape
+        shape = (E * rows, cols) if part == "A" else (rows, cols * E)
+        t = tensors[key]
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{source}: tensor {key} has shape {tuple(t.shape)}, the model expects {shape}"
+            )
+        if part == "A":
+            param.copy_(t.view(E, rows, cols))
+        else:  # (out, r*E) -> (out, r, E) -> (E, out, r)
+            param.copy_(t.view(rows, cols, E).permute(2, 0, 1))
 
 
 def merge_expert_lora(model: nn.Module) -> nn.Module:
