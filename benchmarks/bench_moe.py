@@ -11,10 +11,11 @@ backward materialises a full (E, ...) zero gradient per expert: E^2 memory traff
 at E=128. torch's CPU `_grouped_mm` is itself one small GEMM per expert (R/E rows each), so on
 CPU even the grouped path slows with E; the tiled fallback runs 3 `bmm`s whatever E is.
 
-Columns: `ours` = moe_forward (torch._grouped_mm where supported), `ours tiled` = the same with
-the sync-free tiled fallback GEMM, `loop` = route + per-expert `torch.where` loop (the
-reference), `hf eager` / `hf grouped_mm` = transformers' Qwen3MoeSparseMoeBlock with its
-experts implementation set to eager / grouped_mm.
+Columns: `ours` = the Qwen3-MoE block the models run (`MoEBlock` -> `ops.moe.moe`,
+torch._grouped_mm where supported), `ours tiled` = the same with the sync-free tiled fallback
+GEMM, `loop` = route + `moe_loop_reference` (per-expert `torch.where`, each expert through
+the block's experts module), `hf eager` / `hf grouped_mm` = transformers'
+Qwen3MoeSparseMoeBlock with its experts implementation set to eager / grouped_mm.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import time
 
 import common
 import torch
-import torch.nn.functional as F
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from slipstream.models import qwen3_moe
 from slipstream.ops import moe
 
 IMPLS = ("ours", "ours tiled", "loop", "hf eager", "hf grouped_mm")
@@ -39,9 +40,14 @@ COLUMNS = [
 SLOW_S = 0.5  # a call slower than this is timed once: the E=128 loops take seconds each
 
 
-def build_block(E: int, k: int, D: int, I: int, impl: str | None) -> Qwen3MoeSparseMoeBlock:
+def hf_config(E: int, k: int, D: int, I: int) -> Qwen3MoeConfig:
     cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E)
     cfg.num_experts_per_tok = k
+    return cfg
+
+
+def build_block(E: int, k: int, D: int, I: int, impl: str | None) -> Qwen3MoeSparseMoeBlock:
+    cfg = hf_config(E, k, D, I)
     cfg._experts_implementation = impl
     torch.manual_seed(0)  # same weights for every implementation
     block = Qwen3MoeSparseMoeBlock(cfg)
@@ -51,26 +57,28 @@ def build_block(E: int, k: int, D: int, I: int, impl: str | None) -> Qwen3MoeSpa
     return block
 
 
+def build_ours(E: int, k: int, D: int, I: int) -> qwen3_moe.Qwen3MoeBlock:
+    """The block the models run, with the weights `build_block` gives transformers' (the HF
+    names match: gate.weight, experts.gate_up_proj, experts.down_proj)."""
+    hf = build_block(E, k, D, I, None)
+    ours = qwen3_moe.Qwen3MoeBlock(qwen3_moe.config_from_hf(hf_config(E, k, D, I).to_dict()))
+    ours.load_state_dict(hf.state_dict())
+    return ours
+
+
 def ours(block, x_TD, tiled=False):
-    ex, k = block.experts, block.gate.top_k
-    logits_TE = F.linear(x_TD, block.gate.weight)
     saved = moe._GROUPED_MM_CPU
     moe._GROUPED_MM_CPU = saved and not tiled
     try:
-        norm = block.gate.norm_topk_prob
-        out = moe.moe_forward(
-            x_TD, logits_TE, ex.gate_up_proj, ex.down_proj, k, norm_topk_prob=norm
-        )
-        return out.y_TD
+        return block(x_TD)[0]
     finally:
         moe._GROUPED_MM_CPU = saved
 
 
 def loop(block, x_TD):
-    ex = block.experts
-    logits_TE, norm = F.linear(x_TD, block.gate.weight), block.gate.norm_topk_prob
-    weights_TK, ids_TK = moe.route(logits_TE, block.gate.top_k, norm_topk_prob=norm)
-    return moe.moe_loop_reference(x_TD, weights_TK, ids_TK, ex.gate_up_proj, ex.down_proj)
+    logits_TE, norm = block.router_logits(x_TD), block.norm_topk_prob
+    weights_TK, ids_TK = moe.route(logits_TE, block.k, norm_topk_prob=norm)
+    return moe.moe_loop_reference(x_TD, weights_TK, ids_TK, block.experts, block.num_experts)
 
 
 def hf(block, x_TD):
@@ -83,13 +91,16 @@ def measure(E: int, k: int, T: int, D: int, I: int, reps: int) -> dict:
     torch.manual_seed(1)
     x_TD, g_TD = torch.randn(T, D), torch.randn(T, D)
     fns = {
-        "ours": (ours, None),
-        "ours tiled": (lambda b, x: ours(b, x, tiled=True), None),
-        "loop": (loop, None),
+        "ours": (ours, "ours"),
+        "ours tiled": (lambda b, x: ours(b, x, tiled=True), "ours"),
+        "loop": (loop, "ours"),
         "hf eager": (hf, None),
         "hf grouped_mm": (hf, "grouped_mm"),
     }
-    blocks = {name: build_block(E, k, D, I, impl) for name, (_, impl) in fns.items()}
+    blocks = {
+        name: build_ours(E, k, D, I) if impl == "ours" else build_block(E, k, D, I, impl)
+        for name, (_, impl) in fns.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in fns}
     outputs = {}
     for rep in range(reps + 1):

@@ -229,40 +229,20 @@ def per_layer_metadata() -> Iterator[type[RebuildStats]]:
 
 @contextlib.contextmanager
 def per_expert_loop() -> Iterator[None]:
-    """Within the block, MoE blocks loop over experts (`torch.where(ids == e)`: a host sync
-    and one GEMM pair per expert) instead of routing in one pass. Each expert runs through the
-    block's own experts module on a plan that sends all its rows to that expert, so biases and
-    expert LoRA apply exactly as in the one-pass path."""
-    from slipstream.models.moe_block import MoEBlock
-    from slipstream.ops.moe import RoutingPlan, route
+    """Within the block, MoE blocks loop over experts (`moe_loop_reference`: `torch.where(ids
+    == e)`, a host sync and one GEMM pair per expert) instead of routing in one pass. Each
+    expert runs through the block's own experts module, so biases and expert LoRA apply
+    exactly as in the one-pass path."""
+    from slipstream.ops import moe as ops
 
-    original = MoEBlock.forward
+    def loop_moe(x_TD, logits_TE, experts, k, *, kind, norm_topk_prob):
+        weights_TK, ids_TK = ops.route(logits_TE, k, kind=kind, norm_topk_prob=norm_topk_prob)
+        E = logits_TE.shape[-1]
+        y_TD = ops.moe_loop_reference(x_TD, weights_TK, ids_TK, experts, E)
+        return y_TD, ops.plan(ids_TK, E)  # the plan's counts feed the router statistics
 
-    def loop_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        logits_TE = self.router_logits(x_TD)
-        weights_TK, ids_TK = route(
-            logits_TE, self.k, kind=self.route_kind, norm_topk_prob=self.norm_topk_prob
-        )
-        E, dev = self.num_experts, x_TD.device
-        y_TD = torch.zeros_like(x_TD)
-        for e in range(E):
-            tok_R, slot_R = torch.where(ids_TK == e)
-            n = tok_R.numel()  # known on the host only because torch.where synced
-            counts_E = torch.zeros(E, dtype=torch.int64, device=dev)
-            counts_E[e] = n
-            expert_R = torch.full((n,), e, dtype=torch.int64, device=dev)
-            one = RoutingPlan(E, self.k, tok_R, tok_R, tok_R, expert_R, counts_E,
-                              counts_E.cumsum(0).to(torch.int32))  # fmt: skip
-            out_RD = self.experts(x_TD.index_select(0, tok_R), one)
-            weighted = out_RD * weights_TK[tok_R, slot_R, None].to(out_RD.dtype)
-            y_TD = y_TD.index_add(0, tok_R, weighted.to(y_TD.dtype))
-        return y_TD
-
-    MoEBlock.forward = loop_forward
-    try:
+    with swap_function(ops.moe, loop_moe):
         yield
-    finally:
-        MoEBlock.forward = original
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 import slipstream
 from slipstream.debug import count_syncs
 from slipstream.models import gpt_oss, qwen3_moe
-from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+from slipstream.models.moe_block import set_router_aux_loss_coef
+from slipstream.ops.moe import load_balancing_loss
 from slipstream.ops.packing import SeqInfo
 
 CASES = {
@@ -84,15 +85,21 @@ def test_aux_loss_and_its_router_grads_match_transformers(pair):
     ours.zero_grad()
     ref = hf(ids[None], output_router_logits=True).aux_loss
     ref.backward()
+    seq = SeqInfo.from_lengths([15])
+    _, stats = ours.model(ids, seq)  # the router stats `loss` pools
+    aux = load_balancing_loss(stats, 15)
+    aux.backward()
+    torch.testing.assert_close(aux, ref, atol=1e-5, rtol=1e-5)
+    labels = shifted_labels(ids, [15])
+    assert "aux_loss" not in ours.loss(ids, labels, seq, return_parts=True)[1]  # coef 0
     set_router_aux_loss_coef(ours, 0.01)
     try:
-        ours(ids, SeqInfo.from_lengths([15]))
-        aux = moe_aux_loss(ours)
-        aux.backward()
+        with torch.no_grad():
+            loss, parts = ours.loss(ids, labels, seq, return_parts=True)
     finally:
         set_router_aux_loss_coef(ours, 0.0)
-    torch.testing.assert_close(aux, ref, atol=1e-5, rtol=1e-5)
-    assert moe_aux_loss(ours) is None  # read once, then cleared
+    torch.testing.assert_close(parts["aux_loss"], ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, parts["lm_loss"] + 0.01 * parts["aux_loss"])
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         if ".mlp.gate." in name or ".mlp.router." in name:
@@ -126,7 +133,7 @@ def test_loss_plus_aux_grads_match_transformers_in_every_checkpointing_mode(pair
         ]:
             apply_checkpointing(ours, mode, **kwargs)
             ours.zero_grad()
-            loss = ours.loss(ids, labels, seq) + coef * moe_aux_loss(ours)
+            loss = ours.loss(ids, labels, seq)  # + coef * aux
             loss.backward()
             results[mode] = loss.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}
     finally:
@@ -211,7 +218,7 @@ def test_no_host_syncs_forward_backward(model_type, num_experts):
     ids = _ids(sum(lengths), 7)
     labels = shifted_labels(ids, lengths)
     with count_syncs() as c:
-        loss = model.loss(ids, labels, seq) + 0.01 * moe_aux_loss(model)
+        loss = model.loss(ids, labels, seq)  # + 0.01 * aux
         loss.backward()
     assert c.total == 0, c.by_op
     grads = model.model.layers[0].mlp.experts.down_proj.grad

@@ -118,21 +118,19 @@ def test_full_finetune_bitwise_identical(request, family):
 @pytest.mark.parametrize("aux_loss_coef", [0.0, 0.01])
 def test_moe_bitwise_identical(moe_dir, aux_loss_coef):
     """Qwen3-MoE: routed experts offload like dense layers, with the auxiliary loss on too:
-    the router stats' probability sums are outputs of the offloaded layer's Function, so the
-    aux gradient reaches the routers through the recompute."""
-    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+    the router stats are extra outputs of the offloaded layer's Function, so the aux
+    gradient reaches the routers through the recompute."""
+    from slipstream.models.moe_block import set_router_aux_loss_coef
 
     def run(mode, **kwargs):
         model = _model(moe_dir)
         set_router_aux_loss_coef(model, aux_loss_coef)
         pool = apply_checkpointing(model, mode, **kwargs)
         ids, labels, seq = _batch()
-        loss = model.loss(ids, labels, seq)
-        aux = moe_aux_loss(model)
-        (loss if aux is None else loss + aux_loss_coef * aux).backward()
+        loss, parts = model.loss(ids, labels, seq, return_parts=True)  # + coef * aux
+        loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        assert all(b.router_stats is None for b in model.modules() if hasattr(b, "router_stats"))
-        return (loss.detach(), grads), aux, pool
+        return (parts["lm_loss"], grads), parts.get("aux_loss"), pool
 
     reference, aux_reference, _ = run("none")
     assert all(g is not None for g in reference[1].values())
@@ -148,24 +146,26 @@ def test_moe_bitwise_identical(moe_dir, aux_loss_coef):
 
 @pytest.mark.parametrize("coef", [0.01, 0.3])
 def test_moe_aux_loss_gradients_under_offload(moe_dir, coef):
-    """The aux loss alone, and loss + aux from two forwards before one backward (the second
-    forward's router stats must not leak into the first graph's recompute): every gradient,
+    """The aux loss alone (the router stats the backbone returns, pooled as `model.loss`
+    pools them), and loss + aux from two forwards before one backward: every gradient,
     routers included, as without checkpointing."""
-    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+    from slipstream.models.moe_block import set_router_aux_loss_coef
+    from slipstream.ops.moe import load_balancing_loss
 
     def run(mode, **kwargs):
         model = _model(moe_dir)
         set_router_aux_loss_coef(model, coef)
         apply_checkpointing(model, mode, **kwargs)
         ids, _, seq = _batch()
-        model(ids, seq)
-        moe_aux_loss(model).backward()  # aux alone: the layers' backward still runs
+        _, stats = model.model(ids, seq)
+        load_balancing_loss(stats, len(ids)).backward()  # aux alone: layers' backward runs
         alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         objectives = []
-        for seed in (1, 2):
-            loss = model.loss(*_batch(lengths=[9, 14] if seed == 2 else LENGTHS, seed=seed))
-            objectives.append(loss + coef * moe_aux_loss(model))
+        for seed in (1, 2):  # loss + coef * aux
+            objectives.append(
+                model.loss(*_batch(lengths=[9, 14] if seed == 2 else LENGTHS, seed=seed))
+            )
         sum(objectives).backward()
         return alone, {n: p.grad for n, p in model.named_parameters()}
 
@@ -184,7 +184,7 @@ def test_moe_aux_loss_with_lora_leaving_routers_frozen(moe_dir):
     """LoRA on down_proj only: layer 0's router sees a frozen input and weight, so its
     recomputed probabilities need no grad though the offloaded layer's output was marked as
     needing it (autograd.grad raised "element 1 of tensors does not require grad")."""
-    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+    from slipstream.models.moe_block import set_router_aux_loss_coef
     from slipstream.peft.lora import apply_lora
 
     def run(mode, **kwargs):
@@ -194,8 +194,8 @@ def test_moe_aux_loss_with_lora_leaving_routers_frozen(moe_dir):
         set_router_aux_loss_coef(model, 0.01)
         apply_checkpointing(model, mode, **kwargs)
         ids, labels, seq = _batch()
-        loss = model.loss(ids, labels, seq)
-        (loss + 0.01 * moe_aux_loss(model)).backward()
+        loss = model.loss(ids, labels, seq)  # + 0.01 * aux
+        loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     reference = run("none")
@@ -205,7 +205,7 @@ def test_moe_aux_loss_with_lora_leaving_routers_frozen(moe_dir):
 
 
 def test_moe_aux_loss_offload_step_has_no_host_syncs(moe_dir):
-    from slipstream.models.moe_block import moe_aux_loss, set_router_aux_loss_coef
+    from slipstream.models.moe_block import set_router_aux_loss_coef
 
     model = _model(moe_dir)
     set_router_aux_loss_coef(model, 0.01)
@@ -213,7 +213,7 @@ def test_moe_aux_loss_offload_step_has_no_host_syncs(moe_dir):
     ids, labels, seq = _batch()
     for _ in range(2):  # the first step allocates the pool
         with count_syncs() as syncs:
-            (model.loss(ids, labels, seq) + 0.01 * moe_aux_loss(model)).backward()
+            model.loss(ids, labels, seq).backward()  # + 0.01 * aux
     assert syncs.total == 0, str(syncs)
     assert pool.stats().bytes_offloaded == 2 * 2 * 23 * 32 * 4
 

@@ -1,8 +1,9 @@
 """Activation checkpointing per decoder layer, with the checkpoints offloaded to host memory.
 
 `apply_checkpointing(model, mode)` wraps every layer of `model.model.layers` (any module called
-as `layer(x_TD, seq, cos_sin) -> x_TD`) by swapping its class for a subclass whose `forward`
-checkpoints; parameter and `state_dict()` names do not change.
+as `layer(x_TD, seq, cos_sin)` that returns x_TD or a tuple (x_TD, *extra tensors), such as a
+MoE layer's router statistics) by swapping its class for a subclass whose `forward`
+checkpoints and returns the same; parameter and `state_dict()` names do not change.
 
 - "recompute": `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` per layer.
 - "offload": `_OffloadedLayer`, an autograd Function. Forward runs the layer without a graph
@@ -16,11 +17,9 @@ checkpoints; parameter and `state_dict()` names do not change.
   the reload buffers, so backward holds at most two layer inputs on the device (one with a
   single buffer); inputs under `min_offload_bytes` stay on the device. RNG state (dropout)
   is restored for the recompute, as torch checkpoint does.
-  An MoE block with an auxiliary loss leaves `router_stats` whose `probs_sum_E` must carry
-  the router's gradient: the Function returns each such (E,) tensor as an extra output and
-  puts it back into the stats, so `moe_aux_loss` builds on graph tensors as without offload.
-  Backward feeds their gradients, with the layer output's, into the recompute's
-  `autograd.grad`; the engine runs the aux loss's backward first because it consumes them.
+  A layer's extra outputs are outputs of the Function too, so a loss built on them (the MoE
+  auxiliary loss) sends its gradient through the recompute's `autograd.grad` with the layer
+  output's; an extra output no loss uses gets no gradient and costs no backward work.
 - "none": the model is left as it is (an earlier wrapping is undone).
 
 On CPU and on integrated GPUs "offload" means "recompute" (nothing to gain), unless
@@ -101,8 +100,8 @@ class _OffloadedLayer(torch.autograd.Function):
 
     Inputs: (layer, seq, cos_sin, x_TD, *params that require grad). `seq` and `cos_sin`
     pass through untracked (they never need grad); params are inputs so their gradients
-    flow back through the engine like any other leaf's. Outputs: (out_TD, *probs_sum_E of
-    the layer's router-stats blocks, in `_stats_blocks` order).
+    flow back through the engine like any other leaf's. Outputs: the layer's (out_TD, or
+    (out_TD, *extras)).
     """
 
     @staticmethod
@@ -111,17 +110,16 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx.layer, ctx.seq, ctx.cos_sin = layer, seq, cos_sin
         ctx.rng = _RngState(x_TD.device) if plan.preserve_rng_state else None
         ctx.autocast = _autocast_state(x_TD.device.type)
-        ctx.set_materialize_grads(False)  # an unused side output costs no backward work
+        ctx.set_materialize_grads(False)  # an unused extra output costs no backward work
         # Issue the copy before the layer runs so that it overlaps the layer's forward.
         # The last layer's input goes into a reload buffer (see `OffloadPool.keep`).
         save = plan.pool.keep if plan.last else plan.pool.save
         ctx.saved = save(plan.index, x_TD)
         ctx.save_for_backward(*(params if ctx.saved is not None else (x_TD, *params)))
-        out_TD = layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
-        return (out_TD, *(b.router_stats.probs_sum_E for b in _stats_blocks(layer)))
+        return layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
 
     @staticmethod
-    def backward(ctx, grad_TD, *grad_probs):
+    def backward(ctx, *grad_outs):
         layer, saved = ctx.layer, ctx.saved
         plan: _Plan = layer._slipstream_plan
         pool = plan.pool
@@ -135,67 +133,40 @@ class _OffloadedLayer(torch.autograd.Function):
         rng = ctx.rng.restored() if ctx.rng is not None else contextlib.nullcontext()
         autocast = torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on)
         pool._note("recompute", plan.index)
-        with torch.enable_grad(), rng, autocast, _router_stats_kept(layer) as blocks:
-            out_TD = layer._slipstream_base.forward(layer, x_TD, ctx.seq, ctx.cos_sin)
-            outputs = [out_TD, *(b.router_stats.probs_sum_E for b in blocks)]
-        # A router whose input and weight are both frozen (layer 0 under LoRA that leaves the
-        # routers out) recomputes probs that need no grad, though forward marked them as such.
-        grad_outs = (grad_TD, *grad_probs)
+        with torch.enable_grad(), rng, autocast:
+            outputs = layer._slipstream_base.forward(layer, x_TD, ctx.seq, ctx.cos_sin)
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        # An extra output may need no grad in the recompute though forward marked it as
+        # needing it (MoE: layer 0's router under LoRA that leaves routers frozen).
         pairs = [(o, g) for o, g in zip(outputs, grad_outs) if g is not None and o.requires_grad]
         inputs = ([x_TD] if x_TD.requires_grad else []) + list(params)
         grads = [None] * len(inputs)
         if pairs:
-            outs, grad_outs = zip(*pairs)
-            grads = torch.autograd.grad(outs, inputs, grad_outs, allow_unused=True)
-        del out_TD, x_TD, outputs, pairs  # the buffer's readers are all enqueued now
+            outs, grads_out = zip(*pairs)
+            grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
+        del x_TD, outputs, pairs  # the buffer's readers are all enqueued now
         pool.backward_end(plan.index, saved)
         grad_x = grads[0] if ctx.needs_input_grad[3] else None
         return (None, None, None, grad_x, *grads[len(grads) - len(params) :])
 
 
-def _stats_blocks(layer: nn.Module) -> list[nn.Module]:
-    """The layer's MoE blocks that record router stats for an auxiliary loss (coef > 0)."""
-    return [m for m in layer.modules() if getattr(m, "aux_loss_coef", 0.0) > 0]
-
-
-@contextlib.contextmanager
-def _router_stats_kept(layer: nn.Module):
-    """A recompute in backward records router stats again: put back what was there (None
-    after `moe_aux_loss` read them, or a later forward's) so no stale stats are left."""
-    blocks = _stats_blocks(layer)
-    kept = [b.router_stats for b in blocks]
-    try:
-        yield blocks
-    finally:
-        for block, stats in zip(blocks, kept):
-            block.router_stats = stats
-
-
-def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin) -> torch.Tensor:
+def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin):
     """`forward` of a wrapped layer (see `_checkpointed_class`)."""
     plan: _Plan = self._slipstream_plan
     base = self._slipstream_base.forward
     if not torch.is_grad_enabled():  # eval / generation: nothing to save
         return base(self, x_TD, seq, cos_sin)
     if plan.mode == "recompute":
-        # context_fn only where router stats need keeping: torch.compile (dynamo) rejects a
-        # nested function there ("checkpoint not implemented for NestedUserFunctionVariable").
-        kwargs = {}
-        if _stats_blocks(self):
-            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _router_stats_kept(self))
         return checkpoint(
             base, self, x_TD, seq, cos_sin, use_reentrant=False,
-            preserve_rng_state=plan.preserve_rng_state, **kwargs,
+            preserve_rng_state=plan.preserve_rng_state,
         )  # fmt: skip
     params = [p for p in self.parameters() if p.requires_grad]
     if not (x_TD.requires_grad or params):
         return base(self, x_TD, seq, cos_sin)
     if isinstance(cos_sin, tuple | list) and any(getattr(t, "requires_grad", 0) for t in cos_sin):
         raise ValueError("cos_sin requires grad; activation offload passes it through untracked")
-    out_TD, *probs = _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
-    for block, probs_sum_E in zip(_stats_blocks(self), probs):
-        block.router_stats.probs_sum_E = probs_sum_E  # now a graph tensor: the aux loss's
-    return out_TD  # gradient reaches this layer's backward through it
+    return _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
 
 
 _CLASSES: dict[type, type] = {}

@@ -27,6 +27,7 @@ from torch import nn
 from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import attend
 from slipstream.ops.loss import linear_cross_entropy, linear_token_logps
+from slipstream.ops.moe import load_balancing_loss
 from slipstream.ops.packing import SeqInfo
 
 
@@ -170,9 +171,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, seq: SeqInfo, cos_sin):
+        """-> x_TD, or (x_TD, *extras) when the MLP returns (y_TD, *extras) (a MoE block: its
+        router statistics)."""
         x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), seq, cos_sin)
-        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        y_TD, extras = split_outputs(self.mlp(self.post_attention_layernorm(x_TD)))
+        return (x_TD + y_TD, *extras) if extras else x_TD + y_TD
 
 
 class Backbone(nn.Module):
@@ -207,11 +211,19 @@ class Backbone(nn.Module):
         cos_sin = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
         return [cos_sin] * len(self.layers)
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        x_TD = self.embed_tokens(input_ids_T)
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo):
+        """-> (h_TD after the final norm, the layers' extra outputs in layer order: the MoE
+        blocks' router statistics)."""
+        x_TD, extras = self.embed_tokens(input_ids_T), []
         for layer, cos_sin in zip(self.layers, self.rope_tables(seq, x_TD.dtype), strict=True):
-            x_TD = layer(x_TD, seq, cos_sin)
-        return self.norm(x_TD)
+            x_TD, more = split_outputs(layer(x_TD, seq, cos_sin))
+            extras += more
+        return self.norm(x_TD), extras
+
+
+def split_outputs(out) -> tuple[torch.Tensor, tuple]:
+    """A module's output -> (its main tensor, its extra outputs): a lone tensor has none."""
+    return (out, ()) if isinstance(out, torch.Tensor) else (out[0], tuple(out[1:]))
 
 
 def sliding_windows(
@@ -234,14 +246,20 @@ def sliding_windows(
 
 
 class CausalLM(nn.Module):
-    """`model(input_ids, seq)` -> logits (T, V); `model.loss(...)` without full fp32 logits."""
+    """`model(input_ids, seq)` -> logits (T, V); `model.loss(...)` without full fp32 logits.
 
-    def __init__(self, cfg: ModelConfig, backbone: Backbone) -> None:
+    `router_aux_loss_coef` > 0 (MoE): `loss` adds coef * the router load-balancing loss.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, backbone: Backbone, router_aux_loss_coef: float = 0.0
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.model = backbone
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.router_aux_loss_coef = router_aux_loss_coef
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
@@ -250,7 +268,7 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         _check_batch(input_ids_T, seq)
-        return self.model(input_ids_T, seq)
+        return self.model(input_ids_T, seq)[0]
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         return F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
@@ -262,15 +280,21 @@ class CausalLM(nn.Module):
         seq: SeqInfo,
         reduction: str = "mean",
         label_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Cross-entropy over positions whose label is not -100 (labels already shifted).
+        return_parts: bool = False,
+    ):
+        """Cross-entropy over positions whose label is not -100 (labels already shifted),
+        plus, as transformers adds it, `router_aux_loss_coef * aux` when that is > 0 (MoE;
+        with reduction "sum" times the labelled-token count N, so that after one division by
+        the step's count each micro-batch contributes transformers' `loss + coef * aux`).
 
         `label_positions` (N,) int64: indices of (at least) the labelled positions, built on
         the host (`Batch.label_positions`). Only those rows go through the LM head; the
         result and gradients equal the full computation's (up to summation order).
         `reduction="none"` (needs `label_positions`, every one labelled): the (N,) float32
         cross-entropy of each of those positions, i.e. minus its target's log-prob, for
-        objectives that weigh tokens or sequences (slipstream/objectives/logps.py).
+        objectives that weigh tokens or sequences (slipstream/objectives/logps.py); no aux.
+        `return_parts`: -> (loss, parts), parts detached for logging: `lm_loss` (the
+        cross-entropy) and, when added, `aux_loss` (aux, times N for "sum").
         """
         if labels_T.shape != input_ids_T.shape:
             raise ValueError(
@@ -279,21 +303,27 @@ class CausalLM(nn.Module):
             )
         if reduction == "none" and label_positions is None:
             raise ValueError("reduction='none' needs label_positions (the rows to score)")
-        h_TD = self.hidden_states(input_ids_T, seq)
-        if label_positions is None:
-            return linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
-        _check_positions(label_positions, labels_T)
+        _check_batch(input_ids_T, seq)
+        h_TD, router_stats = self.model(input_ids_T, seq)
+        if label_positions is not None:
+            _check_positions(label_positions, labels_T)
+            # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
+            # Qwen3-0.6B); with 38% of rows labelled (chitchat) 62% of that fed losses of 0.
+            # index_select by host-built indices has a known output shape, no host sync;
+            # `h_TD[labels_T != -100]` would sync to size its output.
+            h_TD = h_TD.index_select(0, label_positions)
+            labels_T = labels_T.index_select(0, label_positions)
         if reduction == "none":
-            h_ND = h_TD.index_select(0, label_positions)
-            targets_N = labels_T.index_select(0, label_positions)
-            return -linear_token_logps(h_ND, self.lm_head_weight(), targets_N)
-        # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
-        # Qwen3-0.6B); with 38% of rows labelled (chitchat) 62% of that fed losses of 0.
-        # index_select by host-built indices has a known output shape, no host sync;
-        # `h_TD[labels_T != -100]` would sync to size its output.
-        h_ND = h_TD.index_select(0, label_positions)
-        labels_N = labels_T.index_select(0, label_positions)
-        return linear_cross_entropy(h_ND, self.lm_head_weight(), labels_N, reduction=reduction)
+            return -linear_token_logps(h_TD, self.lm_head_weight(), labels_T)
+        loss = linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
+        parts = {"lm_loss": loss.detach()}
+        if router_stats and self.router_aux_loss_coef > 0:  # a Python float: no sync
+            aux = load_balancing_loss(router_stats, input_ids_T.shape[0])
+            if reduction == "sum":
+                aux = aux * (labels_T != -100).sum()  # N on the device: no sync
+            loss = loss + self.router_aux_loss_coef * aux
+            parts["aux_loss"] = aux.detach()
+        return (loss, parts) if return_parts else loss
 
 
 def _check_batch(input_ids_T: torch.Tensor, seq: SeqInfo) -> None:

@@ -154,9 +154,7 @@ class GptOssMLP(MoEBlock):
             alpha=float(hf.get("swiglu_alpha", 1.702)),
             limit=float(hf.get("swiglu_limit", 7.0)),
         )
-        super().__init__(
-            experts, E, hf["num_experts_per_tok"], aux_loss_coef=aux_loss_coef_from_hf(hf)
-        )
+        super().__init__(experts, E, hf["num_experts_per_tok"])
         self.router = Router(D, E, bias=True)
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -175,7 +173,8 @@ def build(cfg: ModelConfig) -> CausalLM:
         DecoderLayer(cfg, GptOssAttention(cfg, window), GptOssMLP(cfg), norm=GptOssRMSNorm)
         for window in layer_windows(cfg)
     ]
-    return CausalLM(cfg, Backbone(cfg, layers, norm=GptOssRMSNorm))
+    backbone = Backbone(cfg, layers, norm=GptOssRMSNorm)
+    return CausalLM(cfg, backbone, aux_loss_coef_from_hf(cfg.hf))
 
 
 # ------------------------------------------------------------------- MXFP4 weights

@@ -97,7 +97,6 @@ class Qwen3MoeBlock(MoEBlock):
             E,
             hf["num_experts_per_tok"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            aux_loss_coef=aux_loss_coef_from_hf(hf),
         )
         self.gate = Router(D, E, bias=False)
 
@@ -131,7 +130,7 @@ def build(cfg: ModelConfig) -> CausalLM:
         )
         for window, sparse in zip(layer_windows(cfg), sparse_layers(cfg), strict=True)
     ]
-    return CausalLM(cfg, Backbone(cfg, layers))
+    return CausalLM(cfg, Backbone(cfg, layers), aux_loss_coef_from_hf(cfg.hf))
 
 
 # ------------------------------------------------------------------- weight map

@@ -1,10 +1,10 @@
 """Supervised fine-tuning: next-token cross-entropy on the labelled tokens (assistant turns by
 default), summed per micro-batch and normalised by the labelled-token count of the step.
 
-A MoE router's load-balancing loss joins the training loss as transformers adds it,
-`loss + coef * aux` per micro-batch: the summed form adds `coef * aux * N` (N the
-micro-batch's labelled tokens), so after the loop's one division by the step's labels each
-micro-batch weighs as in transformers. `aux_loss` is reported label-weighted the same way.
+A MoE router's load-balancing loss joins the training loss as transformers adds it:
+`model.loss` (reduction "sum") adds `coef * aux * N` (N the micro-batch's labelled tokens),
+so after the loop's one division by the step's labels each micro-batch weighs
+`loss + coef * aux` as in transformers. `aux_loss` is reported label-weighted the same way.
 In eval (model.eval()) the loss is the cross-entropy alone, so eval_ppl stays a perplexity.
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from slipstream.models.moe_block import moe_aux_loss, router_aux_loss_coef
 
 
 class SFT:
@@ -63,11 +61,12 @@ class SFT:
         """Summed cross-entropy (+ coef * aux * N in training); the LM head runs on the
         labelled positions only. Hand-built batches without positions take the full path."""
         positions = getattr(batch, "label_positions", None)
-        loss = model.loss(
-            batch.input_ids, batch.labels, batch.seq, reduction="sum", label_positions=positions
-        )
-        aux = moe_aux_loss(model)  # None unless a MoE block recorded router stats; clears them
-        if aux is None or not model.training:
+        loss, parts = model.loss(
+            batch.input_ids, batch.labels, batch.seq, reduction="sum", label_positions=positions,
+            return_parts=True,
+        )  # fmt: skip
+        if "aux_loss" not in parts:
             return loss, {}
-        coef = router_aux_loss_coef(model)  # a Python float
-        return loss + (coef * batch.num_labels) * aux, {"aux_loss": aux * batch.num_labels}
+        if not model.training:
+            return parts["lm_loss"], {}
+        return loss, {"aux_loss": parts["aux_loss"]}

@@ -11,12 +11,11 @@ sm90/sm100; CPU in torch >= 2.9, where it runs one small GEMM per expert interna
 still creeps up with E at a fixed token count) and otherwise a tiled `bmm` fallback that needs
 no host sync either (see `_tiled_grouped_mm` for its cost).
 
-Expert weights are stacked `(E, ...)` in the `nn.Linear` layout (out, in) per expert:
-`gate_up_EFD (E, 2I, D)` and `down_EDF (E, D, I)`, which is how transformers 5.x stores
-`Qwen3MoeExperts` (gate rows first, then up rows). GPT-OSS stores the transposes
-(`gate_up_proj (E, D, 2I)` with gate/up interleaved along 2I, `down_proj (E, I, D)`): pass
-`gate_up_proj.transpose(1, 2)` and `down_proj.transpose(1, 2)` (views, no copy) with
-`act="gptoss"` and `biases=(gate_up_proj_bias, down_proj_bias)`.
+`moe(x_TD, logits_TE, experts, k)` composes the ops; the experts are the family's module
+(`experts(x_RD, plan) -> y_RD`: its stacked weights, activation and biases, grouped GEMMs over
+`plan.offsets_E`), which is what lets expert LoRA add its deltas in the same grouped GEMMs.
+`router_stats` / `load_balancing_loss` give transformers' auxiliary loss; `moe_loop_reference`
+is the per-expert loop that tests and benchmarks compare against.
 
 Shapes: T tokens, D hidden, E experts, K top-k, I expert intermediate, F = 2I (fused gate+up
 width, or any output width in `grouped_mm`), R = T*K routed rows (sorted by expert), B rows of
@@ -26,14 +25,13 @@ one tile in the fallback GEMM, P tiles x experts work items in the fallback GEMM
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax")
-ACTIVATIONS = ("swiglu", "gptoss")
 _GROUPED_DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -249,124 +247,56 @@ def unpermute(y_RD: torch.Tensor, plan: RoutingPlan, weights_TK: torch.Tensor) -
     return y_TD.to(y_RD.dtype)
 
 
-def _activate(h_RF: torch.Tensor, act: str, alpha: float, limit: float) -> torch.Tensor:
-    if act == "swiglu":  # [gate rows; up rows]
-        gate, up = h_RF.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if act == "gptoss":  # interleaved gate/up, clamped, sigmoid(alpha * gate), (up + 1)
-        gate = h_RF[..., ::2].clamp(max=limit)
-        up = h_RF[..., 1::2].clamp(min=-limit, max=limit)
-        return gate * torch.sigmoid(gate * alpha) * (up + 1)
-    raise ValueError(f"expert activation act={act!r}: use one of {ACTIVATIONS}")
-
-
-def _check_experts(gate_up_EFD: torch.Tensor, down_EDF: torch.Tensor, D: int) -> None:
-    E, F2, D_in = gate_up_EFD.shape
-    if D_in != D or F2 % 2 or down_EDF.shape != (E, D, F2 // 2):
-        raise ValueError(
-            f"expert weights gate_up {tuple(gate_up_EFD.shape)}, down {tuple(down_EDF.shape)} "
-            f"do not fit hidden size {D}: expected (E, 2I, {D}) and (E, {D}, I)"
-        )
-
-
-def grouped_experts(
-    x_RD: torch.Tensor,
-    plan: RoutingPlan,
-    gate_up_EFD: torch.Tensor,
-    down_EDF: torch.Tensor,
-    *,
-    act: str = "swiglu",
-    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-) -> torch.Tensor:
-    """All experts on their rows as two grouped GEMMs -> y_RD (rows in expert order).
-
-    biases: (gate_up_bias_EF, down_bias_ED) or None. alpha/limit apply to act="gptoss" only.
-    """
-    _check_experts(gate_up_EFD, down_EDF, x_RD.shape[-1])
-    h_RF = grouped_mm(x_RD, gate_up_EFD.transpose(1, 2), plan.offsets_E)
-    if biases is not None:
-        h_RF = h_RF + biases[0].index_select(0, plan.expert_R)
-    a_RI = _activate(h_RF, act, alpha, limit)
-    y_RD = grouped_mm(a_RI, down_EDF.transpose(1, 2), plan.offsets_E)
-    if biases is not None:
-        y_RD = y_RD + biases[1].index_select(0, plan.expert_R)
-    return y_RD
-
-
-class MoEOutput(NamedTuple):
-    y_TD: torch.Tensor
-    weights_TK: torch.Tensor
-    ids_TK: torch.Tensor
-
-
-def moe_forward(
+def moe(
     x_TD: torch.Tensor,
     logits_TE: torch.Tensor,
-    gate_up_EFD: torch.Tensor,
-    down_EDF: torch.Tensor,
+    experts: Callable[[torch.Tensor, RoutingPlan], torch.Tensor],
     k: int,
     *,
     kind: str = "softmax_topk",
     norm_topk_prob: bool = True,
-    act: str = "swiglu",
-    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-) -> MoEOutput:
+) -> tuple[torch.Tensor, RoutingPlan]:
     """One MoE block from router logits: route -> plan -> permute -> experts -> unpermute.
 
-    The model owns the router (`logits_TE = gate(x_TD)`, HF names kept); for the auxiliary loss
-    call `load_balancing_loss(logits_TE.float().softmax(-1), out.ids_TK, E)`.
+    `experts(x_RD, plan) -> y_RD` runs every expert on its rows (the family's stacked experts
+    module: grouped GEMMs over `plan.offsets_E`). Returns y_TD and the plan.
     """
     weights_TK, ids_TK = route(logits_TE, k, kind=kind, norm_topk_prob=norm_topk_prob)
-    p = plan(ids_TK, gate_up_EFD.shape[0])
-    x_RD = permute(x_TD, p)
-    y_RD = grouped_experts(
-        x_RD, p, gate_up_EFD, down_EDF, act=act, biases=biases, alpha=alpha, limit=limit
-    )
-    return MoEOutput(unpermute(y_RD, p, weights_TK), weights_TK, ids_TK)
+    p = plan(ids_TK, logits_TE.shape[-1])
+    return unpermute(experts(permute(x_TD, p), p), p, weights_TK), p
 
 
-def load_balancing_loss(
-    router_probs_TE: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
-) -> torch.Tensor:
-    """Switch-Transformer auxiliary loss, as transformers computes it, with no host sync:
-    E * sum_e (rows routed to e / T) * mean_t probs[t, e]. Gradient flows through the probs.
+def router_stats(logits_TE: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """(2, E) float32 for the auxiliary loss: rows routed to each expert (no grad), and the
+    router softmax summed over tokens (with grad)."""
+    probs_sum_E = torch.softmax(logits_TE.float(), dim=-1).sum(0)
+    return torch.stack([plan.counts_E.float(), probs_sum_E])
 
-    transformers pools all layers before the product: to get its multi-layer value, pass the
-    layers' probs and ids concatenated along T.
-    """
-    ids_R = ids_TK.reshape(-1)
-    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=ids_R.device)
-    counts_E.scatter_add_(0, ids_R, torch.ones_like(ids_R, dtype=torch.float32))
-    tokens = router_probs_TE.shape[0]
-    return num_experts * torch.sum(counts_E / tokens * router_probs_TE.float().mean(dim=0))
+
+def load_balancing_loss(stats: Sequence[torch.Tensor], tokens: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` from L layers' `router_stats`, each over
+    `tokens` tokens, pooled over the layers before the product as it does, no host sync:
+    E * sum_e (rows routed to e / (L*T)) * (router probabilities of e summed / (L*T))."""
+    counts_E, probs_E = torch.stack(list(stats)).sum(0) / (len(stats) * tokens)
+    return counts_E.shape[0] * torch.sum(counts_E * probs_E)
 
 
 def moe_loop_reference(
     x_TD: torch.Tensor,
     weights_TK: torch.Tensor,
     ids_TK: torch.Tensor,
-    gate_up_EFD: torch.Tensor,
-    down_EDF: torch.Tensor,
-    *,
-    act: str = "swiglu",
-    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    experts: Callable[[torch.Tensor, RoutingPlan], torch.Tensor],
+    num_experts: int,
 ) -> torch.Tensor:
-    """The plain per-expert loop (`torch.where(ids == e)`, a host sync per expert).
-    Reference for tests and benchmarks only; never used by a model."""
+    """The plain per-expert loop (`torch.where(ids == e)`, a host sync per expert), each
+    expert run through `experts` on a plan that sends all its rows to it (so biases and
+    expert LoRA apply as in `moe`). Reference for tests and benchmarks; no model uses it."""
+    E = num_experts
     y_TD = torch.zeros_like(x_TD)
-    for e in range(gate_up_EFD.shape[0]):
-        tok, slot = torch.where(ids_TK == e)
-        h = x_TD[tok] @ gate_up_EFD[e].T
-        if biases is not None:
-            h = h + biases[0][e]
-        out = _activate(h, act, alpha, limit) @ down_EDF[e].T
-        if biases is not None:
-            out = out + biases[1][e]
-        y_TD = y_TD.index_add(0, tok, out * weights_TK[tok, slot, None])
+    for e in range(E):
+        tok_R, slot_R = torch.where(ids_TK == e)
+        one = plan(torch.full_like(tok_R, e)[:, None], E)
+        out_RD = experts(x_TD.index_select(0, tok_R), one)
+        weighted = out_RD * weights_TK[tok_R, slot_R, None].to(out_RD.dtype)
+        y_TD = y_TD.index_add(0, tok_R, weighted.to(y_TD.dtype))
     return y_TD
