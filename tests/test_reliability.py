@@ -265,3 +265,133 @@ def test_no_intact_checkpoint_exits_2(tiny_run, tmp_path, capsys):
     assert f"no intact checkpoint in {out / 'checkpoints'}" in line
     assert "step-000004: state.pt does not match its checksum" in line
     assert "step-000002: state.pt has 7 bytes" in line
+
+
+# --- non-finite steps -------------------------------------------------------------------
+
+
+def nan_grads(params, bad: bool) -> None:
+    for p in params:
+        p.grad = torch.full_like(p, float("nan") if bad else 0.5)
+
+
+def test_fused_adamw_skips_a_non_finite_step_on_the_device():
+    """found_inf: weights, both moments and the step count stay as they were; no sync."""
+    from slipstream.debug import count_syncs
+    from slipstream.train.nonfinite import NonFiniteGuard
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    guard = NonFiniteGuard(opt, torch.device("cpu"), limit=1, skipped=0)
+    assert guard.gated
+    loss = torch.tensor(2.0)
+    nan_grads([p], bad=False)
+    guard.step(opt, 1, loss, torch.linalg.vector_norm(p.grad))
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    nan_grads([p], bad=True)
+    with count_syncs() as syncs:
+        kept = guard.step(opt, 2, torch.tensor(float("nan")), torch.linalg.vector_norm(p.grad))
+    assert syncs.total == 0, str(syncs)
+    assert kept.item() == 0.0 and torch.equal(p, before[0])
+    for k, v in opt.state[p].items():
+        assert torch.equal(v, before[1][k]), k
+    # The next finite step is the second real one: as a plain AdamW that never saw the NaN.
+    q = torch.nn.Parameter(before[0].clone())
+    ref = torch.optim.AdamW([q], lr=0.1, fused=True)
+    ref.state[q] = {k: v.clone() for k, v in before[1].items()}
+    nan_grads([p], bad=False)
+    nan_grads([q], bad=False)
+    guard.step(opt, 3, loss, torch.linalg.vector_norm(p.grad))
+    ref.step()
+    assert torch.equal(p, q)
+    assert guard.check_now() == 1  # one skipped, within the limit
+    nan_grads([p], bad=True)
+    guard.step(opt, 4, loss, torch.linalg.vector_norm(p.grad))
+    with pytest.raises(ValueError, match=r"non-finite more than train.skip_nonfinite=1 at step 4"):
+        guard.check_now()
+
+
+def test_a_non_finite_step_without_a_gate_is_skipped_by_the_host_check():
+    from slipstream.train.nonfinite import NonFiniteGuard
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p], lr=0.1, foreach=True)
+    guard = NonFiniteGuard(opt, torch.device("cpu"), limit=2, skipped=0)
+    assert not guard.gated and guard.host_checked
+    nan_grads([p], bad=True)
+    before = p.detach().clone()
+    guard.step(opt, 1, torch.tensor(1.0), torch.linalg.vector_norm(p.grad))
+    assert torch.equal(p, before) and not opt.state
+    assert guard.check_now() == 1
+
+
+# --- one run per output dir -------------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from slipstream.train.lock import OutputDirLock
+assert OutputDirLock(sys.argv[1]).acquire() is None
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_lock_elsewhere(out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path, capsys):
+    import socket
+
+    from slipstream.train.lock import LOCK_FILE, OutputDirLock
+
+    holder = hold_lock_elsewhere(tmp_path)
+    try:
+        why = OutputDirLock(tmp_path).acquire()
+        assert why and f"in use by another run (pid {holder.pid} on {socket.gethostname()}" in why
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / LOCK_FILE).is_file()  # SIGKILL: the file stays, the flock is gone
+    lock = OutputDirLock(tmp_path)
+    assert lock.acquire() is None
+    said = capsys.readouterr().err
+    assert said.count(f"taking over the stale lock of pid {holder.pid}") == 1
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert OutputDirLock(tmp_path).acquire() is not None  # held: a second one is refused
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    again = OutputDirLock(tmp_path)
+    assert again.acquire() is None and capsys.readouterr().err == ""  # clean: nothing said
+    again.release()
+
+
+def test_lock_without_flock_checks_the_pid(tmp_path, monkeypatch):
+    import socket
+
+    from slipstream.train import lock as lock_module
+    from slipstream.train.lock import LOCK_FILE, OutputDirLock
+
+    monkeypatch.setattr(lock_module, "_try_flock", lambda fd: None)  # e.g. an NFS mount
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    try:
+        for pid, other_host, refused in [(live.pid, host, True), (dead.pid, host, False),
+                                         (dead.pid, "node7", True)]:  # fmt: skip
+            (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": pid, "host": other_host}))
+            lock = OutputDirLock(tmp_path)
+            why = lock.acquire()
+            assert (why is not None) == refused, (pid, other_host, why)
+            if other_host != host:
+                assert f"pid {pid} on node7" in why and f"delete {tmp_path / LOCK_FILE}" in why
+            lock.release()
+    finally:
+        live.kill()
+        live.wait()

@@ -142,6 +142,17 @@ def save_checkpoint(
     return final
 
 
+def remove_partial_writes(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove what killed runs left half-written: atomic-write temp files, checkpoint folders
+    cut mid-write. Call with the output dir locked (no other writer is using them)."""
+    out, root = Path(output_dir), Path(output_dir) / CHECKPOINT_DIR
+    found = [*out.glob(".*.tmp"), *out.glob(".tmp-files-*"), *out.glob(".write-test-*")]
+    found += [*root.glob(".tmp-step-*"), *root.glob(".*.tmp")]
+    for p in found:
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    return found
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in a nested dict/list (what `torch.save` will write, roughly)."""
     if isinstance(obj, torch.Tensor):

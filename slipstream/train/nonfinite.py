@@ -1,0 +1,123 @@
+"""Non-finite losses and gradient norms (bf16 overflow, a learning rate too high).
+
+A step whose gradient norm is NaN or inf would write NaN into every weight and both Adam
+moments, for good. The guard marks such a step on the device (no host sync: `isfinite` of
+the grad norm, a 0-d tensor the clip already computed) and:
+
+- with fused AdamW (CUDA; any optimizer that reads `found_inf` the way GradScaler feeds it)
+  the update is skipped *on the device*: the fused kernel leaves weights, moments and its
+  step count untouched when `found_inf` is 1, so nothing waits for the host;
+- with another optimizer (foreach AdamW on CPU, bitsandbytes 8-bit) and
+  `train.skip_nonfinite > 0`, the guard reads the flag before `optimizer.step()`: one sync
+  a step, free on a CPU, a stall per step on a GPU (said in the log once);
+- otherwise (such an optimizer, `skip_nonfinite: 0`) the update happens and the weights may
+  turn NaN, but the run stops before anything is written: every logged step and every save
+  reads the guard's counters first.
+
+Either way the run stops with exit 2 at the next logged step (or save), naming the first
+bad step and its loss and grad norm, once more bad steps than `train.skip_nonfinite` have
+been seen (0: the first one). The grad norm is the same on every rank (taken after the
+all-reduce), so ranks agree on a skip. A skipped step still uses its data and schedule step;
+its loss is left out of the logged mean (whose divisor still counts its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from slipstream import distributed as dist
+
+
+class NonFiniteError(ValueError):
+    """Too many non-finite steps: the run stops without writing non-finite weights (exit 2)."""
+
+
+class NonFiniteGuard:
+    """Counts non-finite steps on the device; skips their updates where it can."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, device: torch.device, *, limit: int, skipped: int
+    ) -> None:
+        self.limit = limit
+        self.gated = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self.host_checked = not self.gated and limit > 0
+        self.skipped = skipped  # over the whole run, resumes included (host int)
+        self.said = False
+        self.count = torch.zeros((), dtype=torch.float64, device=device)  # since last check
+        self.first = torch.zeros(3, dtype=torch.float64, device=device)  # step, loss, norm
+
+    def step(self, optimizer: torch.optim.Optimizer, step: int, loss, grad_norm) -> torch.Tensor:
+        """`optimizer.step()` unless the step is non-finite and can be skipped; returns the
+        loss to log (zero for a step whose update was skipped)."""
+        norm = dist.full_tensor(grad_norm).detach()
+        bad = ~torch.isfinite(norm)
+        self.count += bad
+        new = bad & (self.first[0] == 0)
+        at = torch.full((), step, dtype=torch.float64, device=norm.device)
+        mark = torch.stack([at, loss.detach().double(), norm.double()])
+        self.first.copy_(torch.where(new, mark, self.first))
+        if self.gated:
+            optimizer.found_inf = bad.float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif self.host_checked:
+            if not self.said and norm.device.type != "cpu":
+                self.said = True
+                dist.print_main(
+                    "slipstream: train.skip_nonfinite with this optimizer reads the grad "
+                    "norm every step (one host sync a step; fused AdamW needs none)"
+                )
+            if bad.item():  # sync: see above
+                return torch.zeros_like(loss)
+            optimizer.step()
+        else:
+            optimizer.step()
+        return torch.where(bad, torch.zeros_like(loss), loss) if self.gated else loss
+
+    def counters(self) -> list[torch.Tensor]:
+        """Device tensors a logged step reads along with its other numbers (one transfer)."""
+        return [self.count.view(1), self.first]
+
+    def check(self, values: list[float]) -> int:
+        """After the read: raise NonFiniteError when over the limit; returns the total
+        skipped. `values` are `counters()` as host floats."""
+        count, first_step, first_loss, first_norm = values
+        if count:
+            self.skipped += int(count)
+            self.count.zero_()
+            skippable = self.gated or self.host_checked
+            if not skippable or self.skipped > self.limit:
+                raise NonFiniteError(self.message(int(first_step), first_loss, first_norm))
+            self.first.zero_()
+        return self.skipped
+
+    def check_now(self) -> int:
+        """The check with its own read (before a save that is not on a logged step)."""
+        return self.check(torch.cat(self.counters()).tolist())
+
+    def message(self, step: int, loss: float, norm: float) -> str:
+        over = f"more than train.skip_nonfinite={self.limit} " if self.limit else ""
+        return (
+            f"non-finite {over}at step {step} (loss {_num(loss)}, grad_norm {_num(norm)}); "
+            "nothing was saved from it, the latest checkpoint is the resume point; lower "
+            "train.lr, set train.clip, or set train.skip_nonfinite=N to skip up to N such steps"
+        )
+
+
+def check_logged_loss(step: int, loss: float, norm: float) -> None:
+    """A logged mean loss or grad norm that is not finite (a non-finite loss with a finite
+    grad norm is not skipped) stops the run the same way."""
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        raise NonFiniteError(
+            f"non-finite at step {step} (loss {_num(loss)}, grad_norm {_num(norm)}); nothing "
+            "was saved from it, the latest checkpoint is the resume point; lower train.lr"
+        )
+
+
+def _num(x: Any) -> str:
+    return str(x) if not isinstance(x, float) or not math.isfinite(x) else f"{x:.4g}"
