@@ -127,6 +127,9 @@ class TrainSection(_Section):
     sample_max_new_tokens: int = _opt(64, "reply length of sample_prompts", gt=0)
     save_every: int = _opt(0, "checkpoint every N steps; 0: no mid-run checkpoints", ge=0)
     keep_checkpoints: int = _opt(2, "how many mid-run checkpoints to keep", gt=0)
+    skip_nonfinite: int = _opt(
+        0, "steps with a NaN/inf loss or grad norm to skip (counted) before stopping", ge=0
+    )
     log_every: int = _opt(10, "log every N steps (one host sync each)", gt=0)
     activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = _opt(
         "auto", "auto: offload on GPU, recompute on CPU"

@@ -395,3 +395,92 @@ def test_lock_without_flock_checks_the_pid(tmp_path, monkeypatch):
     finally:
         live.kill()
         live.wait()
+
+
+def train_with_nan_at(cfg, steps: set[int]):
+    """`train(cfg)` with the loss times NaN in optimizer steps `steps` (so its gradients are
+    NaN too), as a bf16 overflow would make it."""
+    from slipstream.checkpoint import hf
+
+    calls = {"n": 0}
+    per_step = cfg.train.grad_accum
+    real_load = hf.load_model
+
+    def load_and_hook(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        real_loss = model.loss
+
+        def loss(*a, **k):
+            value = real_loss(*a, **k)
+            if model.training:
+                calls["n"] += 1
+                if (calls["n"] - 1) // per_step + 1 in steps:
+                    return value * float("nan")
+            return value
+
+        model.loss = loss
+        return model
+
+    hf.load_model = load_and_hook
+    try:
+        return train(cfg)
+    finally:
+        hf.load_model = real_load
+
+
+def test_non_finite_step_stops_the_run_without_saving_it(tiny_run, tmp_path):
+    """Logged every 2 steps, saved every step: NaN in step 3 (the weights turn NaN: CPU
+    AdamW has no device-side gate) stops the run at step 3's save, before anything is
+    written; step 2 stays the resume point."""
+    from slipstream.train.nonfinite import NonFiniteError
+
+    out = tmp_path / "run"
+    cfg = config_from_dict(run_config(tiny_run, out, steps=6, log_every=2, save_every=1))
+    with pytest.raises(NonFiniteError, match=r"^non-finite at step 3 \(loss nan, grad_norm nan\)"):
+        train_with_nan_at(cfg, {3})
+    assert [p.name for p in list_checkpoints(out)] == ["step-000001", "step-000002"]
+    for p in list_checkpoints(out):
+        assert all(v.isfinite().all() for v in read_state(p)["model"].values())
+    assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()
+    assert sorted(losses(out)) == [2]  # step 4's log line never came
+    from slipstream.train.lock import LOCK_FILE
+
+    assert not (out / LOCK_FILE).exists()  # released on the error path too
+
+
+def test_skip_nonfinite_skips_counts_and_then_stops(tiny_run, tmp_path):
+    from slipstream.train.nonfinite import NonFiniteError
+
+    out = tmp_path / "run"
+    raw = run_config(tiny_run, out, steps=6, skip_nonfinite=2)
+    summary = train_with_nan_at(config_from_dict(raw), {2, 5})
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 2
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped_steps"] for r in lines if "loss" in r}
+    assert skipped == {1: 0, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in lines if "loss" in r)
+    from safetensors.torch import load_file
+
+    assert all(v.isfinite().all() for v in load_file(out / "model.safetensors").values())
+    raw = run_config(tiny_run, tmp_path / "again", steps=6, skip_nonfinite=2)
+    with pytest.raises(NonFiniteError, match=r"more than train.skip_nonfinite=2 at step 4"):
+        train_with_nan_at(config_from_dict(raw), {2, 3, 4})
+
+
+def test_second_run_into_a_busy_output_dir_exits_2(tiny_run, tmp_path, capsys):
+    import socket
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = hold_lock_elsewhere(out)
+    try:
+        config = write_yaml(tmp_path / "run.yaml", run_config(tiny_run, out, steps=2))
+        assert cli.main(["train", str(config)]) == 2
+        line = error_line(capsys)
+        assert f"is in use by another run (pid {holder.pid} on {socket.gethostname()}" in line
+        assert not (out / "config.yaml").exists()  # refused before writing anything
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(["train", str(config)]) == 0  # the holder died: its lock is taken over
+    assert capsys.readouterr().err.count("taking over the stale lock") == 1

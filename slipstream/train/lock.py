@@ -7,10 +7,12 @@ drops it when the process dies, however it dies) and, inside, the holder's pid, 
 start time, for the message the next run prints (exit 2).
 
 A lock file left behind (the holder was killed) is stale when its flock is free; it is
-taken over, said once. Where the file system has no flock (some network mounts), the
-holder's pid is checked instead, which works on the same host only: a lock from another host
-is then refused, with the file to delete named. Under torchrun rank 0 holds the lock and
-every rank stops when it cannot be had.
+taken over, said once; the holder then removes what killed runs left half-written (temp
+files, checkpoint folders cut mid-write), as no other writer can be using them. Where the
+file system has no flock (some network mounts), the holder's pid is checked instead, which
+works on the same host only: a lock from another host is then refused, with the file to
+delete named. Under torchrun rank 0 takes the lock before the process group forms; when it
+cannot, it exits 2 and torchrun stops the other ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from slipstream import distributed as dist
+from slipstream.config import check_output_dir
+from slipstream.train.state import remove_partial_writes
 
 LOCK_FILE = ".slipstream.lock"
 
@@ -41,11 +45,13 @@ class OutputDirLock:
         self.fd: int | None = None
 
     def __enter__(self) -> OutputDirLock:
-        error = self.acquire() if dist.is_main() else None
-        if dist.world_size() > 1:  # every rank stops, not just rank 0
-            error = dist.gather_objects(error)[0]
+        if not dist.is_main():
+            return self
+        check_output_dir(self.path.parent)
+        error = self.acquire()
         if error:
             raise OutputDirLocked(error)
+        remove_partial_writes(self.path.parent)
         return self
 
     def __exit__(self, *exc: Any) -> None:

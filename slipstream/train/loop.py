@@ -28,6 +28,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.config import RunConfig
+from slipstream.train.lock import OutputDirLock
 from slipstream.train.meter import StepMeter
 from slipstream.train.run import Run, finish_run, prepare_run, save
 from slipstream.train.samples import log_samples
@@ -36,8 +37,14 @@ from slipstream.train.state import StopSignal
 
 def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """Run the fine-tuning job `cfg` describes; returns the run summary (also written)."""
-    run = prepare_run(cfg, model=model, tokenizer=tokenizer)
-    t, objective = cfg.train, run.objective
+    # One run per output dir: its lock is held until this returns or raises (train/lock.py).
+    with OutputDirLock(cfg.output_dir):
+        return run_steps(prepare_run(cfg, model=model, tokenizer=tokenizer))
+
+
+def run_steps(run: Run) -> dict[str, Any]:
+    """The loop over a prepared run's steps, then its result and summary."""
+    t, objective = run.cfg.train, run.objective
     meter = StepMeter(run)
     if run.start_step == 0 and evaluates(run):
         run.eval_before = eval_point(run, meter, 0)
@@ -55,7 +62,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
                 run.model, window, objective, dist.step_weight(weight, run.device), run.ddp
             )
             grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
-            run.optimizer.step()
+            loss = run.guard.step(run.optimizer, step, loss, grad_norm)  # NaN/inf: nonfinite.py
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             meter.add(window, weight, loss, metrics)

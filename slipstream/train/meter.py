@@ -29,6 +29,7 @@ class StepMeter:
         self.device, self.world = run.device, dist.world_size()
         self.log_every, self.total_steps = t.log_every, run.total_steps
         self.perplexity = run.objective.perplexity
+        self.guard = run.guard
         self.log = MetricsLog(
             run.out, total_steps=run.total_steps, start_step=run.start_step,
             enabled=dist.is_main(),
@@ -71,9 +72,11 @@ class StepMeter:
         sums = dist.sum_over_ranks([*values, self.weight, self.tokens, self.flops, stop],
                                    self.device)  # fmt: skip
         norm_1 = dist.full_tensor(grad_norm).double().view(1)
-        loss, *rest = torch.cat([sums, norm_1]).tolist()
-        *means, weight, tokens, flops, stops, norm = rest
+        loss, *rest = torch.cat([sums, norm_1, *self.guard.counters()]).tolist()
+        *means, weight, tokens, flops, stops, norm = rest[: -self.guard.num_counters]
         weight = max(weight, 1)
+        # Non-finite steps since the last read: skipped and counted, or exit 2 (nonfinite.py)
+        skipped = self.guard.check(rest[-self.guard.num_counters :], step, loss / weight)
         now = time.perf_counter()
         elapsed = max(now - self.last_time, 1e-9)
         self.tokens_total += int(tokens)
@@ -90,6 +93,7 @@ class StepMeter:
                 "tokens_per_s": tokens / elapsed,
                 "peak_mem_gb": peak_memory_gb(self.device),
                 "mfu": mfu,
+                **({"skipped_steps": skipped} if self.guard.limit else {}),
                 **{n: m / weight for n, m in zip(names, means)},
             }
         )

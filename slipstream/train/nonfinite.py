@@ -38,8 +38,15 @@ class NonFiniteError(ValueError):
 class NonFiniteGuard:
     """Counts non-finite steps on the device; skips their updates where it can."""
 
+    num_counters = 4  # what counters() holds: count, then first bad (step, loss, norm)
+
     def __init__(
-        self, optimizer: torch.optim.Optimizer, device: torch.device, *, limit: int, skipped: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        limit: int,
+        skipped: int = 0,
     ) -> None:
         self.limit = limit
         self.gated = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -57,7 +64,7 @@ class NonFiniteGuard:
         self.count += bad
         new = bad & (self.first[0] == 0)
         at = torch.full((), step, dtype=torch.float64, device=norm.device)
-        mark = torch.stack([at, loss.detach().double(), norm.double()])
+        mark = torch.stack([at, loss.detach().double().reshape(()), norm.double()])
         self.first.copy_(torch.where(new, mark, self.first))
         if self.gated:
             optimizer.found_inf = bad.float()
@@ -83,9 +90,10 @@ class NonFiniteGuard:
         """Device tensors a logged step reads along with its other numbers (one transfer)."""
         return [self.count.view(1), self.first]
 
-    def check(self, values: list[float]) -> int:
-        """After the read: raise NonFiniteError when over the limit; returns the total
-        skipped. `values` are `counters()` as host floats."""
+    def check(self, values: list[float], step: int | None = None, loss: float | None = None) -> int:
+        """After the read (`values`: `counters()` as host floats): NonFiniteError when more
+        steps than the limit were bad (or, at a logged `step`, its mean `loss` is not
+        finite); returns the steps skipped so far."""
         count, first_step, first_loss, first_norm = values
         if count:
             self.skipped += int(count)
@@ -94,10 +102,12 @@ class NonFiniteGuard:
             if not skippable or self.skipped > self.limit:
                 raise NonFiniteError(self.message(int(first_step), first_loss, first_norm))
             self.first.zero_()
+        if loss is not None and not math.isfinite(loss):  # a non-finite loss, finite grads
+            raise NonFiniteError(self.message(step, loss, float("nan")))
         return self.skipped
 
     def check_now(self) -> int:
-        """The check with its own read (before a save that is not on a logged step)."""
+        """The check with its own read (before a save: saves are rare and sync anyway)."""
         return self.check(torch.cat(self.counters()).tolist())
 
     def message(self, step: int, loss: float, norm: float) -> str:
@@ -106,16 +116,6 @@ class NonFiniteGuard:
             f"non-finite {over}at step {step} (loss {_num(loss)}, grad_norm {_num(norm)}); "
             "nothing was saved from it, the latest checkpoint is the resume point; lower "
             "train.lr, set train.clip, or set train.skip_nonfinite=N to skip up to N such steps"
-        )
-
-
-def check_logged_loss(step: int, loss: float, norm: float) -> None:
-    """A logged mean loss or grad norm that is not finite (a non-finite loss with a finite
-    grad norm is not skipped) stops the run the same way."""
-    if not (math.isfinite(loss) and math.isfinite(norm)):
-        raise NonFiniteError(
-            f"non-finite at step {step} (loss {_num(loss)}, grad_norm {_num(norm)}); nothing "
-            "was saved from it, the latest checkpoint is the resume point; lower train.lr"
         )
 
 

@@ -25,6 +25,7 @@ from slipstream.config import RunConfig, check_output_dir, write_resolved_config
 from slipstream.objectives import build_objective
 from slipstream.train.meter import StepMeter
 from slipstream.train.metrics import peak_memory_gb, perplexity, plot_losses, write_json
+from slipstream.train.nonfinite import NonFiniteGuard
 from slipstream.train.optim import build_optimizer, build_schedule
 from slipstream.train.setup import (
     RunData,
@@ -59,6 +60,7 @@ class Run:
     start_step: int = 0
     tokens: int = 0  # tokens trained before this process started (resume)
     eval_before: float | None = None
+    guard: NonFiniteGuard | None = None  # non-finite steps: counted, skipped, stopped at
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -109,6 +111,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     )
     run = Run(cfg, out, device, objective, tokenizer, data, model, ddp, optimizer, scheduler,
               total_steps, per_step)  # fmt: skip
+    run.guard = NonFiniteGuard(optimizer, device, limit=t.skip_nonfinite)
     resume(run)
     return run
 
@@ -124,15 +127,18 @@ def resume(run: Run) -> None:
     run.start_step = state["step"]
     run.tokens = state["extra"].get("tokens", 0)
     run.eval_before = state["extra"].get("eval_loss_before")
+    run.guard.skipped = state["extra"].get("skipped_steps", 0)
     dist.print_main(f"slipstream: resuming from {checkpoint} (step {run.start_step})")
 
 
 def save(run: Run, step: int, tokens: int) -> Path:
-    """A resumable checkpoint of step `step` (every rank calls this; see train/state.py)."""
+    """A resumable checkpoint of step `step` (every rank calls this; see train/state.py).
+    Never of non-finite weights: the guard's counters are read first (exit 2 if over)."""
     extra = {
         "config": run.cfg.model_dump(mode="json"),
         "tokens": tokens,
         "eval_loss_before": run.eval_before,
+        "skipped_steps": run.guard.check_now(),
     }
     return save_checkpoint(
         run.out, step=step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
@@ -164,6 +170,7 @@ def finish_run(
         "eval_ppl_before": perplexity(before) if before is not None else None,
         "eval_ppl_after": perplexity(eval_after) if eval_after is not None else None,
         "tokens_trained": meter.tokens_total,
+        "skipped_steps": run.guard.skipped,
         "seconds": time.perf_counter() - run.started,
         "trainable_params": sum(p.numel() for p in run.params),
         "total_params": sum(p.numel() for p in run.model.parameters()),

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from slipstream import cli
+from slipstream.checkpoint import adapter as adapter_file
 from slipstream.checkpoint import atomic
-from slipstream.peft import adapter_file
 from slipstream.train import state
 
 COUNT = {"n": 0}
