@@ -135,8 +135,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except torch.OutOfMemoryError as e:  # the config asks more than the GPU has: say which knobs
         raise ValueError(out_of_memory_advice(cfg, e)) from None
     status = f"{summary['status']} at step {summary['steps']}"
+    stopped_by = summary.get("signal") or "SIGTERM"  # unnamed: another rank's (torchrun)
+    if summary["status"] == "interrupted":
+        status = f"interrupted by {stopped_by} at step {summary['steps']}"
     if is_main():  # under torchrun, one line for the job rather than one per process
         print(f"slipstream: {status}; output in {cfg.output_dir}")
+    if summary["status"] == "interrupted":  # as shells and schedulers expect: 128 + signal
+        import signal
+
+        return 128 + signal.Signals[stopped_by].value
     return 0
 
 

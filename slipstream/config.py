@@ -144,6 +144,22 @@ class TrainSection(_Section):
         None, "MoE load-balancing loss weight; null: the checkpoint's own; 0: off", ge=0
     )
 
+    report_to: list[Literal["tensorboard", "wandb"]] | None = _opt(
+        None, "metrics also to tensorboard, wandb; unset: tensorboard when installed"
+    )
+    save_best: bool = _opt(False, "keep the best-eval checkpoint (eval_every) beside the latest")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_reporter(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _best_needs_evals(self) -> TrainSection:
+        if self.save_best and not self.eval_every:
+            raise ValueError("train.save_best needs train.eval_every > 0 (evals during the run)")
+        return self
+
     @field_validator("objective")
     @classmethod
     def _known_objective(cls, value: str) -> str:
@@ -180,7 +196,17 @@ class RunConfig(_Section):
         PreferenceSection(), description="dpo | orpo | simpo objectives' settings"
     )
     output_dir: str = Field(description="where the run writes its results")
-    resume: bool | str = _opt(False, "true: latest checkpoint in output_dir; or a checkpoint path")
+    resume: bool | str = _opt(
+        False,
+        "true: the latest checkpoint in output_dir (an error if none); auto: the latest if "
+        "any, else start fresh; false: start fresh; or a checkpoint path",
+    )
+
+    @model_validator(mode="after")
+    def _best_needs_eval_data(self) -> RunConfig:
+        if self.train.save_best and self.data.eval is None and not self.data.eval_fraction:
+            raise ValueError("train.save_best needs eval data: set data.eval or data.eval_fraction")
+        return self
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
@@ -226,11 +252,17 @@ def write_resolved_config(cfg: RunConfig, output_dir: str | os.PathLike) -> Path
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> Path:
-    """Create `output_dir` and prove it writable, before any expensive work."""
+    """Prove `output_dir` can be made and written, before any expensive work, leaving nothing
+    behind: the folder itself is made with the run's first result (a temp file is written and
+    removed in the nearest folder that exists)."""
     out = Path(output_dir)
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as e:
         reason = e.strerror or type(e).__name__

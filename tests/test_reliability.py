@@ -415,6 +415,8 @@ def train_with_nan_at(cfg, steps: set[int]):
             if model.training:
                 calls["n"] += 1
                 if (calls["n"] - 1) // per_step + 1 in steps:
+                    if isinstance(value, tuple):  # return_parts=True: (loss, parts)
+                        return value[0] * float("nan"), value[1]
                     return value * float("nan")
             return value
 

@@ -43,11 +43,15 @@ class OutputDirLock:
     def __init__(self, output_dir: str | os.PathLike) -> None:
         self.path = Path(output_dir) / LOCK_FILE
         self.fd: int | None = None
+        self.made: list[Path] = []  # folders the lock made, innermost first (removed if empty)
 
     def __enter__(self) -> OutputDirLock:
         if not dist.is_main():
             return self
         check_output_dir(self.path.parent)
+        out = self.path.parent
+        self.made = [p for p in [out, *out.parents] if not p.exists()]
+        out.mkdir(parents=True, exist_ok=True)
         error = self.acquire()
         if error:
             raise OutputDirLocked(error)
@@ -98,6 +102,11 @@ class OutputDirLock:
         self.path.unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = None
+        for folder in self.made:  # a run that wrote nothing leaves no new folder behind
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run's results
+                break
 
     def _refusal(self, holder: dict[str, Any], held: bool | None) -> str:
         pid, host = holder.get("pid", "?"), holder.get("host", "?")

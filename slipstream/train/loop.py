@@ -30,7 +30,7 @@ from slipstream import distributed as dist
 from slipstream.config import RunConfig
 from slipstream.train.lock import OutputDirLock
 from slipstream.train.meter import StepMeter
-from slipstream.train.run import Run, finish_run, prepare_run, save
+from slipstream.train.run import Run, finish_run, is_new_best, prepare_run, save
 from slipstream.train.samples import log_samples
 from slipstream.train.state import StopSignal
 
@@ -51,7 +51,7 @@ def run_steps(run: Run) -> dict[str, Any]:
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
     stream = micro_batch_stream(len(run.data.train_batches), t.seed, run.start_step * run.per_step)
     clip = t.clip if t.clip is not None else math.inf
-    status, step = "completed", run.start_step
+    step, stopped_by = run.start_step, None
     run.model.train()
     with StopSignal() as stop:
         for step in range(run.start_step + 1, run.total_steps + 1):
@@ -70,24 +70,24 @@ def run_steps(run: Run) -> dict[str, Any]:
                 step, grad_norm, run.scheduler.get_last_lr()[0], stop.requested
             )
 
-            last = step == run.total_steps
+            last, best = step == run.total_steps, False
             if t.eval_every and step % t.eval_every == 0 and not last and evaluates(run):
-                eval_point(run, meter, step)
-            if t.save_every and step % t.save_every == 0 and not last or stopping:
-                save(run, step, meter.tokens_trained)
-                meter.pause()  # keep save time out of tokens/s
+                eval_loss = eval_point(run, meter, step)
+                best = eval_loss is not None and is_new_best(run, step, eval_loss)
+            if t.save_every and step % t.save_every == 0 and not last or stopping or best:
+                save(run, meter, step)
             if stopping:
-                status = "interrupted"
+                stopped_by = stop.name or ""  # "": another rank's signal (torchrun)
                 dist.print_main(
-                    f"\nslipstream: stopped by signal {stop.received or 'on another rank'} at "
-                    f"step {step}; checkpoint saved; rerun with resume=true to continue"
+                    f"\nslipstream: stopped by {stopped_by or 'a signal on another rank'} at step "
+                    f"{step}; checkpoint saved; rerun with resume=true to continue"
                 )
                 break
 
     eval_after = None
-    if status == "completed" and evaluates(run):
+    if stopped_by is None and evaluates(run):
         eval_after = eval_point(run, meter, step)
-    return finish_run(run, meter, status=status, step=step, eval_after=eval_after)
+    return finish_run(run, meter, stopped_by=stopped_by, step=step, eval_after=eval_after)
 
 
 def accumulate_gradients(

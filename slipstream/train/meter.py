@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from slipstream import distributed as dist
+from slipstream.config import dump_config
 from slipstream.train.flops import StepFlops
 from slipstream.train.metrics import MetricsLog, peak_flops, peak_memory_gb, perplexity
 
@@ -30,9 +31,11 @@ class StepMeter:
         self.log_every, self.total_steps = t.log_every, run.total_steps
         self.perplexity = run.objective.perplexity
         self.guard = run.guard
+        config = run.cfg.model_dump(mode="json")
         self.log = MetricsLog(
             run.out, total_steps=run.total_steps, start_step=run.start_step,
-            enabled=dist.is_main(),
+            enabled=dist.is_main(), report_to=run.report_to, config=config,
+            first_files={"config.yaml": dump_config(run.cfg)},
         )  # fmt: skip
         self.flop_rate = peak_flops(run.device)
         full = run.cfg.lora.method == "full"

@@ -2,15 +2,18 @@
 
 `metrics.jsonl` in the output dir gets one line per logged step (`loss`, `lr`, `grad_norm`,
 `tokens`, `tokens_per_s`, `peak_mem_gb`, and `mfu` on a GPU whose peak is known) and one
-line per evaluation (`eval_loss`, `eval_ppl`). TensorBoard events are written when the
-`tensorboard` package is installed; the loss-curve PNG when matplotlib is.
+line per evaluation (`eval_loss`, `eval_ppl`); the same numbers go to TensorBoard and W&B as
+`train.report_to` says (train/report_to.py). The loss-curve PNG is drawn when matplotlib is
+installed.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from slipstream.checkpoint.atomic import (
     free_bytes,
     is_disk_full,
 )
+from slipstream.train.report_to import open_reporters
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
@@ -43,26 +47,45 @@ def peak_memory_gb(device: torch.device) -> float | None:
 
 
 class MetricsLog:
-    """Writes metrics lines, TensorBoard scalars and the progress bar for one run."""
+    """metrics.jsonl, the reporters (`train.report_to`) and the progress bar of one run.
+
+    Nothing is written before the first record (or `open()`): then the output dir is made
+    and `first_files` written ({name: text}, the resolved config.yaml), so a run that fails
+    before its first result leaves no folder behind. Off a terminal (no progress bar) each
+    line starts with the step, the total and the time left.
+    """
 
     def __init__(
-        self, output_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True
-    ) -> None:
+        self, output_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True,
+        report_to: list[str] = (), first_files: dict[str, str] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         """`enabled=False` (every rank but 0 under torchrun): writes and shows nothing."""
-        self.path = output_dir / "metrics.jsonl"
-        self._file = self._tb = None
-        if enabled:
-            _truncate_after(self.path, start_step)
-            self._file = self.path.open("a", encoding="utf-8")
-            self._tb = _tensorboard_writer(output_dir / "tensorboard")
+        self.dir, self.path = output_dir, output_dir / "metrics.jsonl"
+        self.enabled, self.start_step, self.total_steps = enabled, start_step, total_steps
+        self.report_to, self.first_files, self.config = report_to, first_files or {}, config
+        self._file, self._reporters = None, []
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc="train", unit="step",
             disable=None if enabled else True,
         )  # fmt: skip
+        self._started = time.perf_counter()
+
+    def open(self) -> None:
+        """Make the output dir and start the files (once; a no-op off rank 0)."""
+        if not self.enabled or self._file is not None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name, text in self.first_files.items():
+            atomic_write_text(self.dir / name, text)
+        _truncate_after(self.path, self.start_step)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._reporters = open_reporters(self.report_to, self.dir, self.config or {})
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._file is None:
+        if not self.enabled:
             return
+        self.open()
         line = json.dumps(record) + "\n"
         try:  # appended, not renamed: a log; a torn last line is dropped on resume
             self._file.write(line)
@@ -71,25 +94,32 @@ class MetricsLog:
             if is_disk_full(e, self.path.parent):
                 raise DiskFullError(self.path, len(line), free_bytes(self.path.parent)) from None
             raise
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, record["step"])
+        numbers = {k: v for k, v in record.items() if k != "step" and _is_number(v)}
+        for reporter in self._reporters:
+            reporter.log(record["step"], numbers)
         if "loss" in record:
             tok_s = f"{record['tokens_per_s']:.0f}"
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=tok_s)
         text = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if v is not None)
         if self.bar.disable:
-            print(text, file=sys.stderr, flush=True)
+            print(f"{self._progress(record['step'])} {text}", file=sys.stderr, flush=True)
         else:
             self.bar.write(text)
+
+    def _progress(self, step: int) -> str:
+        """`[step/total eta H:MM:SS]`: the time left at the mean pace of this process."""
+        done = step - self.start_step
+        if done <= 0:
+            return f"[{step}/{self.total_steps}]"
+        left = (time.perf_counter() - self._started) / done * (self.total_steps - step)
+        return f"[{step}/{self.total_steps} eta {datetime.timedelta(seconds=round(left))}]"
 
     def close(self) -> None:
         self.bar.close()
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for reporter in self._reporters:
+            reporter.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -112,6 +142,7 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return None
     records = read_metrics(metrics_path)
@@ -120,8 +151,9 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
         ax.plot(*zip(*train), label="train")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval")
+    if evals:  # a few points, each an evaluation: markers, no line between them
+        ax.plot(*zip(*evals), "o", label="eval")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
@@ -152,10 +184,5 @@ def _truncate_after(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-def _tensorboard_writer(log_dir: Path) -> Any:
-    try:
-        import tensorboard  # noqa: F401  (torch's writer needs it)
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

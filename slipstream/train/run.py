@@ -21,12 +21,13 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.checkpoint.hf import load_tokenizer, resolve_device
-from slipstream.config import RunConfig, check_output_dir, write_resolved_config
+from slipstream.config import RunConfig, check_output_dir
 from slipstream.objectives import build_objective
 from slipstream.train.meter import StepMeter
 from slipstream.train.metrics import peak_memory_gb, perplexity, plot_losses, write_json
 from slipstream.train.nonfinite import NonFiniteGuard
 from slipstream.train.optim import build_optimizer, build_schedule
+from slipstream.train.report_to import resolve_report_to
 from slipstream.train.setup import (
     RunData,
     build_data,
@@ -37,7 +38,12 @@ from slipstream.train.setup import (
     seed_everything,
     set_chat_template,
 )
-from slipstream.train.state import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from slipstream.train.state import (
+    CHECKPOINT_DIR,
+    find_resume_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 @dataclass
@@ -57,10 +63,12 @@ class Run:
     scheduler: Any
     total_steps: int
     per_step: int  # micro-batches in one optimizer step, all ranks together
+    report_to: list[str] = field(default_factory=list)
     start_step: int = 0
     tokens: int = 0  # tokens trained before this process started (resume)
     eval_before: float | None = None
     guard: NonFiniteGuard | None = None  # non-finite steps: counted, skipped, stopped at
+    best: tuple[float, int] | None = None  # (eval loss, step) of the best checkpoint kept
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -71,7 +79,9 @@ class Run:
 def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> Run:
     """Everything before the first step; `model`/`tokenizer` given skip their loading."""
     t = cfg.train
-    out = check_output_dir(cfg.output_dir)
+    out = check_output_dir(cfg.output_dir)  # nothing is written there before a result
+    checkpoint = find_resume_checkpoint(cfg.resume, out)  # before the slow loads
+    report_to = resolve_report_to(t.report_to) if dist.is_main() else []
     device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
     if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
         torch.cuda.set_device(device)
@@ -80,8 +90,6 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
         optimizer=t.optimizer,
     )  # fmt: skip
-    if dist.is_main():
-        write_resolved_config(cfg, out)
     seed_everything(t.seed)  # the same seed on every rank: identical initial weights
 
     objective = build_objective(cfg)
@@ -110,17 +118,15 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
     )
     run = Run(cfg, out, device, objective, tokenizer, data, model, ddp, optimizer, scheduler,
-              total_steps, per_step)  # fmt: skip
+              total_steps, per_step, report_to)  # fmt: skip
     run.guard = NonFiniteGuard(optimizer, device, limit=t.skip_nonfinite)
-    resume(run)
+    if checkpoint is not None:
+        resume(run, checkpoint)
     return run
 
 
-def resume(run: Run) -> None:
-    """Restore the checkpoint `cfg.resume` points at, if any, into `run`."""
-    checkpoint = find_resume_checkpoint(run.cfg.resume, run.out)
-    if checkpoint is None:
-        return
+def resume(run: Run, checkpoint: Path) -> None:
+    """Restore `checkpoint` into `run`: weights, optimizer, schedule, RNG, loop state."""
     state = load_checkpoint(
         checkpoint, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler
     )
@@ -128,30 +134,51 @@ def resume(run: Run) -> None:
     run.tokens = state["extra"].get("tokens", 0)
     run.eval_before = state["extra"].get("eval_loss_before")
     run.guard.skipped = state["extra"].get("skipped_steps", 0)
+    best = state["extra"].get("best")
+    run.best = (best[0], best[1]) if best else None
     dist.print_main(f"slipstream: resuming from {checkpoint} (step {run.start_step})")
 
 
-def save(run: Run, step: int, tokens: int) -> Path:
+def save(run: Run, meter: StepMeter, step: int) -> Path:
     """A resumable checkpoint of step `step` (every rank calls this; see train/state.py).
-    Never of non-finite weights: the guard's counters are read first (exit 2 if over)."""
+    Never of non-finite weights: the guard's counters are read first (exit 2 if over).
+    Rotation keeps the best one (`train.save_best`) beside the newest."""
+    meter.log.open()  # config.yaml comes with the first result, at the latest here
     extra = {
         "config": run.cfg.model_dump(mode="json"),
-        "tokens": tokens,
+        "tokens": meter.tokens_trained,
         "eval_loss_before": run.eval_before,
         "skipped_steps": run.guard.check_now(),
+        "best": list(run.best) if run.best else None,
     }
-    return save_checkpoint(
+    path = save_checkpoint(
         run.out, step=step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
         extra=extra, keep=run.cfg.train.keep_checkpoints,
+        keep_step=run.best[1] if run.best else None,
     )  # fmt: skip
+    meter.pause()  # keep save time out of tokens/s
+    return path
+
+
+def is_new_best(run: Run, step: int, eval_loss: float) -> bool:
+    """With `train.save_best`: is this the best eval loss yet (then its step is kept)?"""
+    if not run.cfg.train.save_best or run.best is not None and eval_loss >= run.best[0]:
+        return False
+    run.best = (eval_loss, step)
+    return True
 
 
 def finish_run(
-    run: Run, meter: StepMeter, *, status: str, step: int, eval_after: float | None
+    run: Run, meter: StepMeter, *, stopped_by: str | None, step: int, eval_after: float | None
 ) -> dict[str, Any]:
-    """Close the log, save the result of a completed run, plot, write the summary."""
+    """Close the log, save the result of a completed run, plot, write the summary.
+    `stopped_by`: the signal that interrupted the run ("SIGTERM", or "" when another rank's)."""
     cfg, out = run.cfg, run.out
+    status = "completed" if stopped_by is None else "interrupted"
+    meter.log.open()
     meter.close()
+    if status == "completed" and eval_after is not None:
+        is_new_best(run, step, eval_after)  # the final model itself, in output_dir
     if status == "completed":
         # FSDP2: every rank helps gather the weights; rank 0 writes them.
         result = dist.unsharded(run.model, lambda: build_model(cfg, torch.device("cpu")))
@@ -161,6 +188,7 @@ def finish_run(
     before = run.eval_before
     summary = {
         "status": status,
+        "signal": stopped_by or None,
         "steps": step,
         "total_steps": run.total_steps,
         "method": cfg.lora.method,
@@ -181,9 +209,18 @@ def finish_run(
         "eval_examples": len(run.data.eval),
         "data_report": report_dict(run.data.report),
         "loss_plot": str(plot) if plot else None,
+        "best": _best(run, step) if run.best else None,
         "output_dir": str(out),
     }
     if dist.is_main():
         write_json(out / "summary.json", summary)
     dist.close()
     return summary
+
+
+def _best(run: Run, last_step: int) -> dict[str, Any]:
+    """Where the best-eval weights are: a kept checkpoint, or the final model."""
+    loss, step = run.best
+    final = step == last_step
+    path = run.out if final else run.out / CHECKPOINT_DIR / f"step-{step:06d}"
+    return {"step": step, "eval_loss": loss, "path": str(path), "final": final}

@@ -91,8 +91,10 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any] | None = None,
     keep: int = 2,
+    keep_step: int | None = None,
 ) -> Path:
-    """Write `checkpoints/step-{step:06d}` atomically; keep only the newest `keep`.
+    """Write `checkpoints/step-{step:06d}` atomically; keep only the newest `keep`, and the
+    one of `keep_step` (the best eval loss) besides.
 
     Under torchrun every rank calls this; rank 0 writes `state.pt` and renames.
     """
@@ -128,8 +130,7 @@ def save_checkpoint(
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_path(root)
-            for old in list_checkpoints(output_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            remove_old_checkpoints(output_dir, keep, keep_step)
     except BaseException as e:
         if dist.is_main() and tmp.exists():
             written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
@@ -226,6 +227,14 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
+def remove_old_checkpoints(output_dir: str | os.PathLike, keep: int, keep_step: int | None):
+    """All but the newest `keep` checkpoints, and the one of step `keep_step`, go."""
+    kept = None if keep_step is None else f"step-{keep_step:06d}"
+    for old in list_checkpoints(output_dir)[:-keep]:
+        if old.name != kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Finished checkpoints in `output_dir`, oldest first (temporary folders are ignored)."""
     root = Path(output_dir) / CHECKPOINT_DIR
@@ -236,13 +245,20 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def find_resume_checkpoint(resume: bool | str, output_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint `resume` points at: the newest intact one in output_dir (true), a path,
-    or None. A damaged newest checkpoint is said in one line and skipped; none intact, or a
-    damaged one named by path, is a CheckpointError (exit 2)."""
+    """The checkpoint `resume` points at: the newest intact one in output_dir (true: an error
+    when there is none; "auto": None then, a fresh start), a path, or None (false). A damaged
+    newest checkpoint is said in one line and skipped; none intact, or a damaged one named by
+    path, is a CheckpointError (exit 2)."""
     if resume is False or resume is None:
         return None
-    if resume is True:
-        return newest_intact(list_checkpoints(output_dir), output_dir)
+    if resume is True or resume == "auto":
+        found = newest_intact(list_checkpoints(output_dir), output_dir)
+        if found is None and resume is True:
+            raise ValueError(
+                f"resume=true but output_dir '{output_dir}' holds no checkpoint; set "
+                "resume=auto to resume when there is one and start fresh otherwise"
+            )
+        return found
     path = Path(resume)
     if (path / "state.pt").is_file():
         reason = verify_checkpoint(path)
@@ -343,6 +359,11 @@ class StopSignal:
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    @property
+    def name(self) -> str | None:
+        """The signal received, as shells name it ("SIGINT"), or None."""
+        return signal.Signals(self.received).name if self.received else None
 
     def __enter__(self) -> StopSignal:
         # Handlers can only be installed from the main thread (e.g. not under a notebook

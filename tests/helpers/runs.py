@@ -71,8 +71,9 @@ def lora_with_dropout(raw):
     return raw
 
 
-def train_until_signal(cfg, at_step):
-    """Run `train` and send SIGTERM to ourselves during optimizer step `at_step`."""
+def train_until_signal(cfg, at_step, signum=signal.SIGTERM, run=None):
+    """Run `train(cfg)` (or `run()`, e.g. the CLI) and send `signum` to ourselves during
+    optimizer step `at_step`."""
     from slipstream.checkpoint import hf
     from slipstream.train import train
 
@@ -88,7 +89,7 @@ def train_until_signal(cfg, at_step):
             if model.training:
                 calls["n"] += 1
                 if calls["n"] == at_step * per_step:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signum)
             return real_loss(*a, **k)
 
         model.loss = loss
@@ -96,6 +97,6 @@ def train_until_signal(cfg, at_step):
 
     hf.load_model = load_and_hook
     try:
-        return train(cfg)
+        return run() if run is not None else train(cfg)
     finally:
         hf.load_model = real_load
