@@ -222,3 +222,22 @@ def test_dpo_step_has_no_host_syncs(tiny):
             loss, metrics = objective.micro_batch_loss(model, batch)
             (loss / 3).backward()
         assert syncs.total == 0, (name, syncs)
+
+
+def test_chitchat_pairs_are_disjoint_trl_rows(tiny, tmp_path):
+    pytest.importorskip("chitchat_dataset")
+    from slipstream.data.chitchat import write_chitchat_pairs
+
+    out = write_chitchat_pairs(tmp_path, train_rows=40, eval_rows=8)
+    import json
+
+    train = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert len(train) == 40 and len(held) == 8
+    assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
+    for r in train:
+        assert r["prompt"][-1]["role"] == "user" and len(r["prompt"]) % 2 == 1
+        assert r["chosen"][0]["role"] == r["rejected"][0]["role"] == "assistant"
+    pairs, report = tokenize_pairs(train, AutoTokenizer.from_pretrained(tiny), max_tokens=512)
+    assert report.kept + sum(report.skipped.values()) + report.dropped == 40
+    assert report.kept >= 36

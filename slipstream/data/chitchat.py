@@ -73,3 +73,53 @@ def chitchat_rows(num_rows: int, *, seed: int = 0, max_turns: int = 8, skip: int
             {"messages": [{"role": roles[j % 2], "content": t} for j, t in enumerate(turns)]}
         )
     return rows
+
+
+def chitchat_pairs(
+    num_rows: int, *, seed: int = 0, skip: int = 0, context_turns: int = 3
+) -> list[dict]:
+    """`num_rows` preference rows (TRL's conversational format, explicit prompt) from chitchat:
+    the prompt is a conversation's first turns (1 to `context_turns`, odd: ending on the
+    user), `chosen` the reply that followed, `rejected` a reply from another conversation.
+
+    Seeded, and `skip` works as in `chitchat_rows`: disjoint sets for train and held-out.
+    """
+    convs = [c for c in _all_conversations() if len(c) >= 2]
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    if skip + num_rows > len(order):
+        raise ValueError(
+            f"chitchat_pairs: asked for rows {skip}..{skip + num_rows} but only {len(order)} "
+            "conversations have two or more turns."
+        )
+    rng = random.Random(seed * 7919 + skip)
+    roles = ("user", "assistant")
+    rows = []
+    for i in order[skip : skip + num_rows]:
+        turns = convs[i]
+        n = rng.randrange(1, min(context_turns, len(turns) - 1) + 1, 2)  # odd: ends on user
+        other = convs[rng.choice([j for j in rng.sample(order, 3) if j != i])]
+        rejected = other[rng.randrange(1, len(other), 2) if len(other) > 1 else 0]
+        if rejected == turns[n]:
+            rejected = other[0]
+        rows.append(
+            {
+                "prompt": [{"role": roles[j % 2], "content": t} for j, t in enumerate(turns[:n])],
+                "chosen": [{"role": "assistant", "content": turns[n]}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return rows
+
+
+def write_chitchat_pairs(out_dir: str | Path, train_rows: int = 800, eval_rows: int = 64) -> Path:
+    """`train.jsonl` and `eval.jsonl` of disjoint `chitchat_pairs` in `out_dir` (the data of
+    configs/smollm2_dpo.yaml)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = (("train.jsonl", chitchat_pairs(train_rows)),
+             ("eval.jsonl", chitchat_pairs(eval_rows, skip=train_rows)))  # fmt: skip
+    for name, rows in parts:
+        with open(out / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return out

@@ -5,8 +5,8 @@ One forward over the packed stream; the LM head runs only on the scored position
 (`positions`, host-built), each giving the log-prob of its target (`labels[t]`, the next
 token). A sequence's log-prob is the sum of its scored tokens' log-probs: a segment sum
 (`index_add_`) over host-built segment indices, so no host sync and no boolean mask. The
-head goes through `model.loss(..., reduction="none")`, the method data parallelism routes
-through its wrapper, so DDP and FSDP see the forward.
+head goes through `model.loss(..., reduction="none")`, the entry point FSDP2 registers;
+under DDP the trainer runs the whole objective loss inside the wrapper's forward.
 
 Shapes: T tokens, N scored positions, S segments.
 """
