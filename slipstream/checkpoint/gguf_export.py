@@ -369,11 +369,9 @@ def export_run_gguf(
 
 
 def _adapter_base(adapter: Path) -> str:
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    base = cfg.get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter}/adapter_config.json names no base model; pass --base MODEL")
-    return base
+    from slipstream.sources import adapter_base
+
+    return adapter_base(adapter)  # the local source while it exists, else the recorded base
 
 
 def _model_type(source: str) -> str | None:

@@ -38,9 +38,10 @@ def export_adapter_gguf(
         raise ValueError(
             "GGUF LoRA: a DoRA adapter has no llama.cpp form; export it merged (--gguf)."
         )
-    base = base or acfg.get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{cfg_path} names no base model; pass --base MODEL")
+    from slipstream.sources import adapter_base, resolve_model
+
+    # The local source while it exists, else the recorded base; a built-in name: its file.
+    base = resolve_model(base or adapter_base(src), "--base")
     cfg = _base_config(base)
     arch = gguf_arch(cfg.model_type)
     path = Path(out) if out is not None else src / "adapter.gguf"

@@ -129,8 +129,9 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
 
 
-def _resolve_folder(path: Path) -> Path:
-    """A local folder as it is; a hub id (resolve_model let it through) fetched."""
+def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
+    """A local folder as it is; a hub id fetched; a path that does not exist said to be one."""
+    path = Path(resolve_model(str(path_or_repo_id), "model"))
     if path.exists():
         return path
     from huggingface_hub import snapshot_download
