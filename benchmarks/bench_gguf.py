@@ -73,19 +73,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", help="a LoRA run folder with data/eval.jsonl (e.g. runs/demo)")
     p.add_argument("--types", default="q8_0,q4_k_m")
+    p.add_argument("--base", help="the base model (default: the adapter's), e.g. smollm2-demo")
     p.add_argument("--out-dir", help="where the GGUF files go (default: the run folder)")
     p.add_argument("--json", help="write the rows here too")
     args = p.parse_args(argv)
-    from slipstream.checkpoint.adapter import adapter_base, load_adapter
+    from slipstream.checkpoint.adapter import load_adapter
     from slipstream.checkpoint.gguf_export import export_run_gguf
     from slipstream.checkpoint.hf import load_model, load_tokenizer
     from slipstream.peft.lora import merge_lora
+    from slipstream.sources import adapter_base
 
     run = Path(args.run)
     out_dir = Path(args.out_dir or run)
     tokenizer = load_tokenizer(str(run))
     examples = held_out(run, tokenizer)
-    model = load_model(adapter_base(run))
+    base = args.base or adapter_base(run)
+    model = load_model(base)
     load_adapter(model, run)
     merge_lora(model)
     ref = loss_ours(model, examples)
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for t in args.types.split(","):
         start = time.perf_counter()
-        path = export_run_gguf(run, t, out_dir / f"{run.resolve().name}.{t}.gguf")
+        path = export_run_gguf(run, t, out_dir / f"{run.resolve().name}.{t}.gguf", base=base)
         seconds = time.perf_counter() - start
         loss = loss_llama_cpp(path, examples)
         rows.append({"type": t, "file MiB": round(path.stat().st_size / 2**20, 1),
