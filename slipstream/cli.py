@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from slipstream.checkpoint.atomic import DiskFullError
 
@@ -91,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the LoRA alone as a GGUF LoRA (llama.cpp --lora)")  # fmt: skip
     p.set_defaults(run=cmd_export)
 
+    add_generation_commands(sub)
+
+    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
+    p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.set_defaults(run=cmd_bench)
+    return parser
+
+
+def add_generation_commands(sub: Any) -> None:
+    """`generate` and `chat` (their handlers live in slipstream.generation.commands)."""
     from slipstream.generation import commands as gen
 
     p = sub.add_parser("generate", help="complete one prompt, or a jsonl file of prompts")
@@ -110,12 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_sampling_args(p, max_new_tokens=512)
     p.add_argument("--system", help="a system message to start the chat with")
     p.set_defaults(run=gen.cmd_chat)
-
-    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
-    p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
-    p.set_defaults(run=cmd_bench)
-    return parser
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -200,6 +200,27 @@ def tokenize_rows(
     messages (a shard of a larger split names rows by their place in the split).
     `limit_name` is the setting that set `max_tokens`, named when every example is over it.
     """
+    fmt = _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong)
+    args = (tokenizer, fmt, train_on, max_tokens, overlong)
+    if num_proc is None:
+        num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
+    if num_proc > 1 and hasattr(rows, "map"):
+        results = _encode_in_processes(rows, args, num_proc)
+    else:
+        results = (_encode_row(row, *args) for row in rows)
+    examples, report = _collect(results, DataReport(rows=len(rows), format=fmt), first_row, strict)
+    if not examples and report.dropped:
+        raise ValueError(
+            f"every example is longer than {limit_name} = {max_tokens} tokens (the shortest "
+            f"has {shortest_dropped(report)}); raise {limit_name} or set data.overlong=truncate"
+        )
+    if not examples:
+        raise ValueError(f"no usable examples: {report.summary()}")
+    return examples, report
+
+
+def _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong) -> str:
+    """One-line errors for bad settings or an empty dataset; returns the detected format."""
     if train_on not in ("assistant", "all"):
         raise ValueError(f"train_on = {train_on!r}; use 'assistant' or 'all'.")
     if overlong not in ("truncate", "drop"):
@@ -214,29 +235,26 @@ def tokenize_rows(
             f"data format {fmt!r} needs a chat template but the tokenizer has none; give one "
             "as data.chat_template (a .jinja file or the template), or use data in 'text' format."
         )
-    args = (tokenizer, fmt, train_on, max_tokens, overlong)
-    if num_proc is None:
-        num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
-    if num_proc > 1 and hasattr(rows, "map"):
-        mapped = rows.map(
-            _map_fn,
-            fn_kwargs=dict(zip(("tokenizer", "fmt", "train_on", "max_tokens", "overlong"), args)),
-            remove_columns=rows.column_names,
-            num_proc=num_proc,
-            desc="tokenizing",
-        )
-        results = (
-            (
-                Example(r["ids"], r["mask"]) if r["status"] == "ok" else None,
-                r["status"],
-                r["truncated"],
-            )
-            for r in mapped
-        )
-    else:
-        results = (_encode_row(row, *args) for row in rows)
+    return fmt
 
-    report = DataReport(rows=len(rows), format=fmt)
+
+def _encode_in_processes(rows: Any, args: tuple, num_proc: int):
+    """(example or None, status, truncated) per row, tokenized by `datasets` in processes."""
+    names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong")
+    mapped = rows.map(
+        _map_fn,
+        fn_kwargs=dict(zip(names, args)),
+        remove_columns=rows.column_names,
+        num_proc=num_proc,
+        desc="tokenizing",
+    )
+    for r in mapped:
+        ex = Example(r["ids"], r["mask"]) if r["status"] == "ok" else None
+        yield ex, r["status"], r["truncated"]
+
+
+def _collect(results, report: DataReport, first_row: int, strict: bool):
+    """Keep the encoded examples; count every drop and skip in `report` (or raise if strict)."""
     examples = []
     for index, (ex, status, truncated) in enumerate(results, start=first_row):
         report.truncated += truncated
@@ -257,13 +275,6 @@ def tokenize_rows(
         report.kept += 1
         report.tokens += len(ex)
         report.target_tokens += sum(ex.trainable[1:])
-    if not examples and report.dropped:
-        raise ValueError(
-            f"every example is longer than {limit_name} = {max_tokens} tokens (the shortest "
-            f"has {shortest_dropped(report)}); raise {limit_name} or set data.overlong=truncate"
-        )
-    if not examples:
-        raise ValueError(f"no usable examples: {report.summary()}")
     return examples, report
 
 
