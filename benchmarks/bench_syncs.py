@@ -28,6 +28,9 @@ EXTRA = {
     # both layer types (two RoPEs), a window shorter than the sequences
     "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
 }
+# The image+text gemma3 builds its language model from text_config: the tiny sizes go there
+# (at the top level they were ignored, and the published 4B text model was built: 150 s, 13 GB).
+EXTRA["gemma3"] = {"text_config": {**common.TINY, **EXTRA["gemma3_text"]}}
 
 
 def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:
