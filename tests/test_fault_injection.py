@@ -57,7 +57,7 @@ def test_random_kills_resume_exactly_or_fall_back(tiny_run, tmp_path):
 
     # The event count of one whole run, from a run of its own in another folder.
     probe = tmp_path / "probe.yaml"
-    raw = {**lora_with_dropout(run_config(tiny_run, tmp_path / "probe", **kw)), "resume": True}
+    raw = {**lora_with_dropout(run_config(tiny_run, tmp_path / "probe", **kw)), "resume": "auto"}
     probe.write_text(yaml.safe_dump(raw))
     done = launch(probe, 0, tmp_path / "note.json")
     assert done.returncode == 0, done.stderr[-3000:]
