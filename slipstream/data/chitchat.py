@@ -47,6 +47,22 @@ def chitchat_conversations(limit: int | None = None) -> list[list[str]]:
     return [list(c) for c in (convs if limit is None else convs[:limit])]
 
 
+def _shuffled_conversations(
+    num_rows: int, seed: int, skip: int, who: str
+) -> tuple[list[list[str]], list[int]]:
+    """Conversations of two or more turns and their seeded order; an error naming `who` when
+    rows `skip..skip+num_rows` go past the end."""
+    convs = [c for c in _all_conversations() if len(c) >= 2]
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    if skip + num_rows > len(order):
+        raise ValueError(
+            f"{who}: asked for rows {skip}..{skip + num_rows} but only {len(order)} "
+            "conversations have two or more turns."
+        )
+    return convs, order
+
+
 def chitchat_rows(num_rows: int, *, seed: int = 0, max_turns: int = 8, skip: int = 0) -> list[dict]:
     """`num_rows` chat rows `{"messages": [...]}` from a seeded sample of conversations.
 
@@ -56,14 +72,7 @@ def chitchat_rows(num_rows: int, *, seed: int = 0, max_turns: int = 8, skip: int
     """
     if max_turns < 2:
         raise ValueError(f"chitchat_rows: max_turns = {max_turns}; need >= 2 (a user and a reply).")
-    convs = [c for c in _all_conversations() if len(c) >= 2]
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    if skip + num_rows > len(order):
-        raise ValueError(
-            f"chitchat_rows: asked for rows {skip}..{skip + num_rows} but only {len(order)} "
-            "conversations have two or more turns."
-        )
+    convs, order = _shuffled_conversations(num_rows, seed, skip, "chitchat_rows")
     rows = []
     for i in order[skip : skip + num_rows]:
         turns = convs[i][:max_turns]
@@ -84,14 +93,7 @@ def chitchat_pairs(
 
     Seeded, and `skip` works as in `chitchat_rows`: disjoint sets for train and held-out.
     """
-    convs = [c for c in _all_conversations() if len(c) >= 2]
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    if skip + num_rows > len(order):
-        raise ValueError(
-            f"chitchat_pairs: asked for rows {skip}..{skip + num_rows} but only {len(order)} "
-            "conversations have two or more turns."
-        )
+    convs, order = _shuffled_conversations(num_rows, seed, skip, "chitchat_pairs")
     rng = random.Random(seed * 7919 + skip)
     roles = ("user", "assistant")
     rows = []
