@@ -24,14 +24,10 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # Gemma3ForConditionalGeneration: its text model
 }
-# model_types refused with what to do instead of the list above.
-REFUSED: dict[str, str] = {}
 
 
 def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
     """The family module for `model_type`, or a one-line error listing the supported ones."""
-    if model_type in REFUSED:
-        raise ValueError(f"{source}: model_type {model_type!r}: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise ValueError(
