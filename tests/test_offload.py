@@ -16,7 +16,6 @@ from helpers.models import make_hf_model
 
 import slipstream
 from slipstream.debug import count_syncs
-from slipstream.memory import offload
 from slipstream.memory import pool as pool_impl
 from slipstream.memory.offload import OffloadPool, apply_checkpointing, get_offload_pool
 from slipstream.ops.packing import SeqInfo
@@ -594,7 +593,7 @@ def test_none_leaves_model_untouched(checkpoint_dir):
 def test_offload_on_cpu_without_force_recomputes(checkpoint_dir, caplog, monkeypatch):
     reference = _step(_model(checkpoint_dir))
     model = _model(checkpoint_dir)
-    monkeypatch.setattr(offload, "_LOGGED", set())
+    monkeypatch.setattr(pool_impl, "_LOGGED", set())
     with caplog.at_level(logging.WARNING, logger="slipstream.memory.offload"):
         assert apply_checkpointing(model, "offload") is None
         apply_checkpointing(model, "offload")

@@ -36,7 +36,6 @@ Shapes: T tokens, D hidden.
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from dataclasses import dataclass
 
@@ -44,20 +43,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from slipstream.memory.pool import OffloadPool, OffloadStats
-
-log = logging.getLogger(__name__)
+from slipstream.memory.pool import OffloadPool, OffloadStats, _log_once
 
 MODES = ("offload", "recompute", "none")
 _POOLS: weakref.WeakKeyDictionary[nn.Module, OffloadPool] = weakref.WeakKeyDictionary()
-_LOGGED: set[str] = set()
 __all__ = ["MODES", "OffloadPool", "OffloadStats", "apply_checkpointing", "get_offload_pool"]
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        log.warning(message)
 
 
 class _RngState:

@@ -47,9 +47,8 @@ from typing import Any
 
 import torch
 
-# The logger of the offload feature as a whole, as before the pool had its own file.
+# One logger, and one set of messages said once, for the offload feature (offload.py too).
 log = logging.getLogger("slipstream.memory.offload")
-
 _LOGGED: set[str] = set()
 # A second buffer is taken only if this many buffer sizes stay free besides both buffers:
 # room for one layer's recompute (q, k, v, attention out, 3 MLP intermediates ~ 16 D per token).
@@ -81,10 +80,6 @@ class OffloadStats:
     @property
     def h2d_gbps(self) -> float | None:
         return self.bytes_reloaded / self.h2d_ms / 1e6 if self.h2d_ms else None
-
-    @property
-    def d2h_gbps(self) -> float | None:  # while forward runs, so it overlaps compute
-        return self.bytes_offloaded / self.d2h_ms / 1e6 if self.d2h_ms else None
 
 
 class _SyncCopies:
