@@ -137,13 +137,21 @@ def check_run_paths(cfg: Any) -> None:
     for key in ("train", "eval"):
         for source in sources_of(getattr(cfg.data, key)):
             check_data_source(source, f"data.{key}")
-    template = cfg.data.chat_template
-    is_text = template is None or "{{" in template or "{%" in template
-    if not is_text and not Path(template).expanduser().is_file():
+    if cfg.data.chat_template is not None:
+        chat_template_text(cfg.data.chat_template)
+
+
+def chat_template_text(template: str) -> str:
+    """data.chat_template as text: the Jinja template itself, or the file it names."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
         raise ValueError(
             f"data.chat_template: '{template}' is neither a file nor a Jinja template "
             "(text with {{ ... }} or {% ... %})"
         )
+    return path.read_text(encoding="utf-8")
 
 
 def adapter_base(adapter: str | Path) -> str:
@@ -177,10 +185,15 @@ def safetensors_metadata(path: Path) -> dict[str, str]:
 
 
 def check_adapter_dir(path: str | Path, what: str = "adapter") -> Path:
-    """An adapter folder: it exists and holds adapter_config.json."""
-    adapter = Path(path)
+    """A PEFT adapter folder: it exists and holds adapter_config.json and the weights."""
+    adapter = Path(path).expanduser()
     if not adapter.exists():
         raise ValueError(f"{what}: '{adapter}' does not exist")
-    if not (adapter / "adapter_config.json").is_file():
-        raise ValueError(f"{what}: no adapter_config.json in '{adapter}' (is it an adapter dir?)")
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
+               if not (adapter / f).is_file()]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{what}: '{adapter}' is not a PEFT adapter folder (no {' or '.join(missing)}); "
+            "give the output_dir of a LoRA run or a folder peft's save_pretrained wrote"
+        )
     return adapter

@@ -23,6 +23,7 @@ from slipstream import distributed as dist
 from slipstream.checkpoint.hf import load_tokenizer, resolve_device
 from slipstream.config import RunConfig, check_output_dir
 from slipstream.objectives import build_objective
+from slipstream.sources import check_adapter_dir
 from slipstream.train.meter import StepMeter
 from slipstream.train.metrics import peak_memory_gb, perplexity, plot_losses, write_json
 from slipstream.train.nonfinite import NonFiniteGuard
@@ -32,7 +33,6 @@ from slipstream.train.setup import (
     RunData,
     build_data,
     build_model,
-    check_adapter_dir,
     report_dict,
     save_result,
     seed_everything,
@@ -94,7 +94,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
 
     objective = build_objective(cfg)
     if cfg.model.adapter is not None:  # a wrong path is said before the data and weights load
-        check_adapter_dir(cfg.model.adapter)
+        check_adapter_dir(cfg.model.adapter, "model.adapter")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
     data = build_data(cfg, tokenizer, objective)

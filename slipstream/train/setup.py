@@ -42,13 +42,13 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
     from slipstream.data.load import EmptySplitError
     from slipstream.data.sharded import merge_reports
     from slipstream.objectives import build_objective
-    from slipstream.sources import check_run_paths
+    from slipstream.sources import check_run_paths, sources_of
 
     check_run_paths(cfg)  # every file, before the first is read
     d, t = cfg.data, cfg.train
     objective = objective if objective is not None else build_objective(cfg)
     examples, eval_examples, reports, formats = [], [], [], {}
-    sources = _sources(d.train)
+    sources = sources_of(d.train)
     for source in sources:
         try:
             rows, eval_rows = load_split(
@@ -66,7 +66,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
             eval_examples += _tokenize_source(objective, tokenizer, eval_rows, source, "eval")[0]
         if len(sources) > 1:
             dist.print_main(f"slipstream: {source}: {report.summary()}")
-    for source in _sources(d.eval):
+    for source in sources_of(d.eval):
         rows = load_rows(source, split=d.split)
         part, eval_report = _tokenize_source(objective, tokenizer, rows, source, "eval")
         eval_examples += part
@@ -85,10 +85,6 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
     return RunData(
         examples, train_batches, eval_examples, eval_batches, report, efficiency, formats
     )
-
-
-def _sources(value: str | list[str] | None) -> list[str]:
-    return [] if value is None else [value] if isinstance(value, str) else value
 
 
 def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, what: str):
@@ -127,9 +123,10 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
     if cfg.model.adapter is not None:
         from slipstream.checkpoint.adapter import load_adapter
+        from slipstream.sources import check_adapter_dir
 
         # The adapter's own r, alpha and targets (adapter_config.json) win over `lora`'s.
-        load_adapter(model, check_adapter_dir(cfg.model.adapter))
+        load_adapter(model, check_adapter_dir(cfg.model.adapter, "model.adapter"))
         if cfg.lora.method == "full":  # full fine-tuning starts from the merged weights
             from slipstream.peft.lora import merge_lora
 
@@ -158,19 +155,6 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def check_adapter_dir(path: str) -> Path:
-    """model.adapter: a folder with adapter_config.json and adapter_model.safetensors."""
-    p = Path(path).expanduser()
-    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
-               if not (p / f).is_file()]  # fmt: skip
-    if missing:
-        raise ValueError(
-            f"model.adapter: '{p}' is not a PEFT adapter folder (no {' or '.join(missing)}); "
-            "give the output_dir of a LoRA run or a folder peft's save_pretrained wrote"
-        )
-    return p
-
-
 def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
     """The adapter (PEFT layout) or the full model (HF layout), plus the tokenizer files."""
     if cfg.lora.method == "full":
@@ -191,17 +175,11 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
     """data.chat_template (a .jinja file, or the template itself) replaces the tokenizer's;
     checked once on a two-turn chat, so a broken template is one error, not every row
     skipped."""
+    from slipstream.sources import chat_template_text
+
     if template is None:
         return
-    if "{{" not in template and "{%" not in template:
-        path = Path(template).expanduser()
-        if not path.is_file():
-            raise ValueError(
-                f"data.chat_template: '{template}' is neither a file nor a Jinja template "
-                "(text with {{ ... }} or {% ... %})"
-            )
-        template = path.read_text(encoding="utf-8")
-    tokenizer.chat_template = template
+    tokenizer.chat_template = chat_template_text(template)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     try:
         text = tokenizer.apply_chat_template(chat, tokenize=False)
