@@ -29,7 +29,7 @@ from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
 from slipstream.checkpoint.hf_config import current_config, generation_config
 from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
-from slipstream.models.weights import WeightMap, from_hf_name, to_hf_name
+from slipstream.models.weights import WeightMap, check_shape, from_hf_name, to_hf_name
 from slipstream.sources import resolve_model
 
 SHARD_BYTES = 5 * 1024**3
@@ -231,11 +231,7 @@ def _load_tensors(model: CausalLM, weights: WeightMap, nf4, tensors, source: str
             continue
         if name not in params:
             raise ValueError(f"{source}: unexpected tensor {name!r} for {cfg.model_type}.")
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(params[name].shape)} from config.json."
-            )
+        check_shape(name, tensor.shape, params[name].shape, source)
         params[name].copy_(tensor)
         loaded.add(name)
     if nf4 is not None:

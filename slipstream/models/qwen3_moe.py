@@ -42,7 +42,7 @@ from slipstream.models.moe_block import (
     num_experts_from_hf,
 )
 from slipstream.models.qwen3 import attention
-from slipstream.models.weights import WeightMap
+from slipstream.models.weights import WeightMap, check_shape
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 
 _PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -153,11 +153,7 @@ class Qwen3MoeWeights(WeightMap):
         width = rows // 2
         dest = {"gate_proj": param[e, :width], "up_proj": param[e, width:], "down_proj": param[e]}
         dest = dest[proj]
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
-                "from config.json (hidden_size, moe_intermediate_size)."
-            )
+        check_shape(name, tensor.shape, dest.shape, hint=" (hidden_size, moe_intermediate_size)")
         dest.copy_(tensor)
         return True
 

@@ -26,6 +26,15 @@ def to_hf_name(name: str, layout: Layout) -> str:
     return name
 
 
+def check_shape(name: str, shape, expected, source: str = "", hint: str = "") -> None:
+    """A one-line error when a checkpoint tensor's shape is not the one config.json implies."""
+    if tuple(shape) != tuple(expected):
+        raise ValueError(
+            f"{source}{': ' if source else ''}tensor {name!r} has shape {tuple(shape)}, "
+            f"expected {tuple(expected)} from config.json{hint}."
+        )
+
+
 def from_hf_name(name: str, layouts: tuple[Layout, ...]) -> str | None:
     """Our name for a checkpoint name in any of `layouts`; None when it is none of ours."""
     for layout in layouts:

@@ -24,6 +24,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from slipstream.models.weights import check_shape
+
 # The decoder's projections, Phi-3's fused qkv_proj/gate_up_proj included.
 NF4_TARGETS = (
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
@@ -126,12 +128,7 @@ def quantize_linear_targets(
 def set_nf4_weight(module: nn.Module, tensor: torch.Tensor, name: str, source: str) -> None:
     """Quantise a full-precision weight (out, in) to NF4 into `module` (a Linear4bit)."""
     bnb = require_bitsandbytes()
-    expected = (module.out_features, module.in_features)
-    if tuple(tensor.shape) != expected:
-        raise ValueError(
-            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-            f"expected {expected} from config.json."
-        )
+    check_shape(name, tensor.shape, (module.out_features, module.in_features), source)
     device = module.weight.device
     w = tensor.to(device=device, dtype=module.compute_dtype)
     packed, state = bnb.functional.quantize_4bit(
@@ -192,20 +189,12 @@ def load_prequantized_tensor(
         module.weight = bnb.nn.Params4bit.from_prequantized(
             pieces["weight"], stats, requires_grad=False, device=device, module=module
         )
-        shape = tuple(module.weight.quant_state.shape)
-        if shape != (module.out_features, module.in_features):
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {shape}, expected "
-                f"{(module.out_features, module.in_features)} from config.json."
-            )
+        expected = (module.out_features, module.in_features)
+        check_shape(name, module.weight.quant_state.shape, expected, source)
         return
     state = bnb.functional.QuantState.from_dict(stats, device=device)
     w = bnb.functional.dequantize_4bit(pieces["weight"].to(device), state)
-    if tuple(w.shape) != tuple(module.weight.shape):
-        raise ValueError(
-            f"{source}: tensor {name!r} has shape {tuple(w.shape)}, "
-            f"expected {tuple(module.weight.shape)} from config.json."
-        )
+    check_shape(name, w.shape, module.weight.shape, source)
     module.weight.copy_(w)
 
 
