@@ -2,23 +2,10 @@
 collectives the trainer needs. Without torchrun (no WORLD_SIZE, or 1) every function here is
 a no-op or the identity, so the single-process trainer runs exactly as before.
 
-    torchrun --nproc_per_node 8 -m slipstream train run.yaml        (docs/distributed.md)
-
-Modes (`train.parallel`): "ddp" keeps a full replica per rank and all-reduces gradients
-(LoRA/QLoRA: the trainable state is tiny); "fsdp" shards parameters, gradients and optimizer
-state with FSDP2 `fully_shard`, one unit per decoder layer, then the root (full fine-tuning).
-"auto": none for one process, ddp for LoRA, fsdp for full fine-tuning.
-
-The step's gradient equals one process's with the same global batch: every rank holds the
-same packed batches, each global step draws `grad_accum * world` micro-batches from the one
-seeded stream and rank r takes every world-th; each micro-batch's summed loss is divided by
-the objective's weight of the *whole* step (labelled tokens for SFT; one all-reduce per
-step, on the device) and multiplied by the world size, because DDP and FSDP average
-gradients over ranks.
-
-Collectives per optimizer step: one (the weight) plus the gradient reduction; a logged step
-adds one (loss, metrics, token counts and the stop flag, summed). Elsewhere: tokenizing in
-shards (data/sharded.py); checkpoint shards under FSDP2 (train/sharded.py).
+Modes (`train.parallel`, see `resolve_mode`) and why the step's gradient equals one
+process's with the same global batch: docs/distributed.md. Collectives per optimizer step:
+one (the step's weight) plus the gradient reduction; a logged step adds one. Elsewhere:
+tokenizing in shards (data/sharded.py); checkpoint shards under FSDP2 (train/sharded.py).
 """
 
 from __future__ import annotations

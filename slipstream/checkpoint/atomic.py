@@ -1,16 +1,10 @@
 """Atomic, durable file writes: every file a run leaves in its output dir goes through here.
 
-A file is written under a temporary name in the target's folder, flushed to disk (fsync),
-given the mode a plain `open()` would have given it (0666 less the umask: `mkstemp` makes
-0600, which left adapters and configs unreadable to the rest of a group), renamed over the
-target (`os.replace` is atomic within one file system), and the folder is fsynced so the
-rename itself survives a power cut. An interrupted save never leaves half a file where a
-reader expects a whole one.
-
-A full disk is a `DiskFullError` (exit 2) naming the file, the bytes the write needed and
-the bytes free; the temporary file is removed, so the space it took is given back and the
-previous file of that name is untouched. When the caller knows the size up front
-(`size_hint`) and the disk has less, nothing is written at all.
+Temporary file in the target's folder, fsync, the mode a plain `open()` would give (0666 less
+the umask: `mkstemp` makes 0600, which left adapters and configs unreadable to the rest of a
+group), `os.replace` over the target, fsync of the folder: an interrupted save never leaves
+half a file where a reader expects a whole one. A full disk is a `DiskFullError` (exit 2) and
+the temporary file is removed (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -4,15 +4,8 @@ Two runs writing one output dir interleave `metrics.jsonl`, prune each other's c
 and leave whichever adapter was saved last, and both exit 0. So a run holds
 `output_dir/.slipstream.lock` from start to end: an exclusive `flock` on it (the kernel
 drops it when the process dies, however it dies) and, inside, the holder's pid, host and
-start time, for the message the next run prints (exit 2).
-
-A lock file left behind (the holder was killed) is stale when its flock is free; it is
-taken over, said once; the holder then removes what killed runs left half-written (temp
-files, checkpoint folders cut mid-write), as no other writer can be using them. Where the
-file system has no flock (some network mounts), the holder's pid is checked instead, which
-works on the same host only: a lock from another host is then refused, with the file to
-delete named. Under torchrun rank 0 takes the lock before the process group forms; when it
-cannot, it exits 2 and torchrun stops the other ranks.
+start time, for the message the next run prints (exit 2). Stale locks, file systems without
+flock and torchrun: docs/reliability.md.
 """
 
 from __future__ import annotations

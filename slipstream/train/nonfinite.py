@@ -2,23 +2,11 @@
 
 A step whose gradient norm is NaN or inf would write NaN into every weight and both Adam
 moments, for good. The guard marks such a step on the device (no host sync: `isfinite` of
-the grad norm, a 0-d tensor the clip already computed) and:
-
-- with fused AdamW (CUDA; any optimizer that reads `found_inf` the way GradScaler feeds it)
-  the update is skipped *on the device*: the fused kernel leaves weights, moments and its
-  step count untouched when `found_inf` is 1, so nothing waits for the host;
-- with another optimizer (foreach AdamW on CPU, bitsandbytes 8-bit) and
-  `train.skip_nonfinite > 0`, the guard reads the flag before `optimizer.step()`: one sync
-  a step, free on a CPU, a stall per step on a GPU (said in the log once);
-- otherwise (such an optimizer, `skip_nonfinite: 0`) the update happens and the weights may
-  turn NaN, but the run stops before anything is written: every logged step and every save
-  reads the guard's counters first.
-
-Either way the run stops with exit 2 at the next logged step (or save), naming the first
-bad step and its loss and grad norm, once more bad steps than `train.skip_nonfinite` have
-been seen (0: the first one). The grad norm is the same on every rank (taken after the
-all-reduce), so ranks agree on a skip. A skipped step still uses its data and schedule step;
-its loss is left out of the logged mean (whose divisor still counts its tokens).
+the grad norm the clip already computed) and skips its update on the device where the
+optimizer reads `found_inf` as GradScaler feeds it (fused AdamW), else by reading the flag
+before `optimizer.step()` when `train.skip_nonfinite > 0` (one sync a step on a GPU). The run
+stops with exit 2, before anything is written, once more steps than `train.skip_nonfinite`
+were bad. The cases and their costs: docs/reliability.md ("Non-finite steps").
 """
 
 from __future__ import annotations

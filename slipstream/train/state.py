@@ -1,28 +1,15 @@
-"""Training checkpoints (atomic, resumable) and clean stops on SIGINT/SIGTERM.
+"""Training checkpoints (atomic, verified, resumable) and clean stops on SIGINT/SIGTERM.
 
 A checkpoint is a folder `output_dir/checkpoints/step-000123/` with one `state.pt`: the
 trainable parameters (LoRA weights only, or every weight for full fine-tuning), the
-optimizer and scheduler states, the step, and every RNG state (python, torch CPU, CUDA).
-The data order needs no state of its own: epoch e visits the packed batches in an order
-seeded by (seed, e), so the step number alone says where the data stream resumes.
+optimizer and scheduler states, the step, and every rank's RNG states (python, torch CPU,
+CUDA). The data order needs no state of its own: epoch e visits the packed batches in an order
+seeded by (seed, e), so the step number alone says where the data stream resumes. FSDP2
+shards are written beside `state.pt` by `torch.distributed.checkpoint` (sharded.py).
 
-Writes are atomic and durable: the folder is written under a temporary name, each file
-fsynced, a `manifest.json` (every file's size and SHA-256) written last, the folder fsynced
-and renamed into place, so a run killed mid-save leaves the previous checkpoint as the
-latest one, never half a new one. Resume checks the manifest: a checkpoint damaged since
-(truncated, bit rot, a file system that lost the data behind a rename) is named in one
-line and the newest intact one is used; none intact is exit 2. Hashing costs one read of
+Why a save goes through a temporary folder, fsyncs and a `manifest.json` written last, and
+why resume loads with `weights_only=True`: docs/reliability.md. Hashing costs one read of
 the checkpoint at save and at resume (~1.5 GB/s a core for SHA-256; LoRA checkpoints are MBs).
-
-`state.pt` is loaded with `weights_only=True`: it holds tensors and plain types only (RNG
-states are a tensor and a tuple of ints, the schedule a dict of numbers), so a checkpoint
-from someone else cannot run code on resume; one that holds anything else is refused.
-A full disk is `DiskFullError` (exit 2): the partial folder is removed, older checkpoints stay.
-
-Under torchrun `state.pt` holds every rank's RNG state and the world size (resume checks it).
-DDP replicas are identical, so rank 0 writes the parameters and optimizer as above; FSDP2
-shards are written beside `state.pt` by `torch.distributed.checkpoint`, each rank its own.
-The output dir must be on a file system every node sees.
 """
 
 from __future__ import annotations
