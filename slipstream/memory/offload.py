@@ -7,28 +7,17 @@ checkpoints and returns the same; parameter and `state_dict()` names do not chan
 
 - "recompute": `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` per layer.
 - "offload": `_OffloadedLayer`, an autograd Function. Forward runs the layer without a graph
-  and keeps only a handle: the layer input is copied device->host on a copy stream into a
-  host slot from `OffloadPool` (pinned, allocated on the first step, reused after). Backward of
-  layer i first issues the reload of the next layer to come (i-1) into a free device buffer,
-  then waits (an event, never a stream or host sync) for its own input, recomputes the layer
-  with grad and backprops through it. With two buffers the reload of i-1 runs under layer i's
-  recompute and backward; with one buffer it is issued when layer i frees the buffer.
-  The last layer's input (its backward comes first) is not offloaded but copied into one of
-  the reload buffers, so backward holds at most two layer inputs on the device (one with a
-  single buffer); inputs under `min_offload_bytes` stay on the device. RNG state (dropout)
-  is restored for the recompute, as torch checkpoint does.
-  A layer's extra outputs are outputs of the Function too, so a loss built on them (the MoE
-  auxiliary loss) sends its gradient through the recompute's `autograd.grad` with the layer
-  output's; an extra output no loss uses gets no gradient and costs no backward work.
+  and hands its input to the `OffloadPool` (slipstream.memory.pool: the copy schedule, the
+  buffers and the statistics benchmarks read); backward gets it back, recomputes the layer
+  with grad and backprops through it. RNG state (dropout) is restored for the recompute, as
+  torch checkpoint does. A layer's extra outputs are outputs of the Function too, so a loss
+  built on them (the MoE auxiliary loss) sends its gradient through the recompute's
+  `autograd.grad` with the layer output's; an extra output no loss uses costs no backward work.
 - "none": the model is left as it is (an earlier wrapping is undone).
 
 On CPU and on integrated GPUs "offload" means "recompute" (nothing to gain), unless
 `force=True`: then the same pool runs with synchronous `copy_`s and plain tensors as host
 slots and device buffers, so CPU tests exercise the real schedule and bookkeeping.
-
-The pool's bookkeeping (host slots, device buffers, copy stream, events, statistics) lives in
-`slipstream.memory.pool`; `get_offload_pool(model).stats()` gives the numbers benchmarks
-report.
 
 Shapes: T tokens, D hidden.
 """

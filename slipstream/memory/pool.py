@@ -28,12 +28,9 @@ On CUDA the host slots are pinned and copies run on a side stream (`_CudaCopies`
 (`force=True` on CPU, for tests) `_SyncCopies` copies at once and events are None, so the same
 bookkeeping runs everywhere.
 
-Statistics: `pool.stats()` -> `OffloadStats` (bytes offloaded/reloaded, steps, buffers, host
-pool size, allocations, max resident inputs) and, with `timing=True` on CUDA, copy and
-exposed-wait times from CUDA events (reading them synchronizes: call `stats()` between steps,
-never inside one). `pool.reset_stats()` starts a new measurement; `pool.events` (with
-`record_events=True`) logs ("offload"|"keep"|"prefetch"|"backward_start"|"recompute"|
-"backward_end", layer) in order.
+Statistics: `pool.stats()` -> `OffloadStats`; with `timing=True` on CUDA its copy times come
+from CUDA events, and reading them synchronizes: call `stats()` between steps, never inside
+one. `pool.events` (with `record_events=True`) logs (what, layer) in order.
 
 Shapes: T tokens, D hidden.
 """
