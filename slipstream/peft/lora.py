@@ -1,20 +1,12 @@
 """LoRA: low-rank adapters on frozen linear layers, in PEFT's layout.
 
 `apply_lora` swaps each targeted `nn.Linear` for a `LoRALinear` that keeps the original as
-`.base_layer`, so parameter names line up with PEFT's: `<path>.base_layer.weight` in the model
-and `base_model.model.<path>.lora_A.weight` / `.lora_B.weight` in `adapter_model.safetensors`.
-Saved adapters load in `peft.PeftModel`; PEFT adapters load here (the file format:
-checkpoint/adapter.py). Shapes: A is (rank, in_features), B is (out_features, rank); y = base(x) +
+`.base_layer`, so parameter names line up with PEFT's (peft/names.py; the files:
+checkpoint/adapter.py). A is (rank, in_features), B is (out_features, rank); y = base(x) +
 scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for rsLoRA). The base can
-be any module with `in_features`, `out_features` and a `weight` (e.g. a bitsandbytes
-`Linear4bit` for QLoRA); it is never modified until `merge_lora`. `use_dora=True` wraps with
-`DoRALinear` instead (peft/dora.py): a trained magnitude per output row, saved as PEFT's
-`lora_magnitude_vector`.
-
-MoE models (qwen3_moe, gpt_oss): the same functions also put LoRA on the stacked experts
-(`slipstream.peft.lora_experts`, saved as PEFT's `target_parameters`). The dense MLP names
-(`gate_proj`, `up_proj`, `down_proj`) reach the experts' fused parameters, so the default
-targets train the MLP of a MoE model as they do a dense one's.
+be any module with `in_features`, `out_features` and a `weight` (a bitsandbytes `Linear4bit`
+for QLoRA); it is never modified until `merge_lora`. DoRA: peft/dora.py; LoRA on MoE experts:
+peft/lora_experts.py.
 
 Factor dtype: float32 master weights whenever the base is fp16/bf16 (or quantized), as PEFT
 does (`autocast_adapter_dtype=True`), so AdamW's states are float32 too. In bf16 an update
@@ -23,10 +15,6 @@ never move. Forward casts the factors (rank/features of the base weight's size) 
 activation dtype, so the two matmuls still run in bf16. `save_adapter` writes the float32
 factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter dtype);
 `merge_lora` adds the delta in float32 and rounds once to the base dtype.
-
-Adapter keys and `target_modules` name modules as transformers does (peft/names.py). Adapters
-with a regex `target_modules` load by peft's rule: the regex is full-matched on transformers'
-path of each of our linears.
 """
 
 from __future__ import annotations
