@@ -187,6 +187,34 @@ class PreferenceSection(_Section):
     precompute_reference: bool = _opt(False, "reference log-probs once, before training")
 
 
+class GRPOSection(_Section):
+    """train.objective = grpo (slipstream/objectives/grpo.py; docs/grpo.md)."""
+
+    num_generations: int = _opt(8, "G: completions sampled per prompt (a group)", ge=2)
+    max_prompt_tokens: int = _opt(256, "longest prompt; longer ones follow data.overlong", gt=0)
+    max_completion_tokens: int = _opt(256, "most tokens generated per completion", gt=0)
+    temperature: float = _opt(1.0, "sampling temperature (log-probs use the same)", gt=0)
+    top_p: float = _opt(1.0, "nucleus sampling", gt=0, le=1)
+    epsilon: float = _opt(0.2, "clip range of the ratio: [1 - epsilon, 1 + epsilon_high]", gt=0)
+    epsilon_high: float | None = _opt(None, "upper clip (DAPO's clip-higher); null: epsilon", gt=0)
+    beta: float = _opt(0.0, "KL weight (k3 estimator) against the reference; 0: no KL", ge=0)
+    reference: Literal["start", "base"] = _opt(
+        "start", "KL reference with LoRA: the starting adapter frozen, or the base"
+    )
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = _opt(
+        "dapo", "dapo: token mean over the global batch; grpo: per-sequence means; dr_grpo"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _opt(
+        "group", "advantages divided by the group's, the batch's or no reward std"
+    )
+    mask_truncated_completions: bool = _opt(False, "completions cut at the limit get no loss")
+    iterations_per_batch: int = _opt(1, "mu: optimizer steps per rollout (importance ratio)", ge=1)
+    rewards: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="reward functions: [{function: accuracy | file.py:name, weight: 1.0}, ...]",
+    )
+
+
 class RunConfig(_Section):
     model: ModelSection = Field(description="the checkpoint to fine-tune")
     data: DataSection = Field(description="training and eval data")
@@ -195,6 +223,7 @@ class RunConfig(_Section):
     preference: PreferenceSection = Field(
         PreferenceSection(), description="dpo | orpo | simpo objectives' settings"
     )
+    grpo: GRPOSection = Field(GRPOSection(), description="the grpo objective's settings")
     output_dir: str = Field(description="where the run writes its results")
     resume: bool | str = _opt(
         False,
@@ -206,6 +235,28 @@ class RunConfig(_Section):
     def _best_needs_eval_data(self) -> RunConfig:
         if self.train.save_best and self.data.eval is None and not self.data.eval_fraction:
             raise ValueError("train.save_best needs eval data: set data.eval or data.eval_fraction")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_fits(self) -> RunConfig:
+        if self.train.objective != "grpo":
+            return self
+        g, t = self.grpo, self.train
+        if not g.rewards:
+            raise ValueError("train.objective=grpo needs grpo.rewards, e.g. [{function: accuracy}]")
+        group = g.num_generations * (g.max_prompt_tokens + g.max_completion_tokens)
+        if group > t.tokens_per_batch:
+            raise ValueError(
+                f"grpo: a prompt's group of {g.num_generations} x ({g.max_prompt_tokens} + "
+                f"{g.max_completion_tokens}) = {group} tokens exceeds train.tokens_per_batch="
+                f"{t.tokens_per_batch}; raise it or lower grpo.max_prompt_tokens, "
+                "max_completion_tokens or num_generations"
+            )
+        if self.data.eval is not None or self.data.eval_fraction > 0:
+            raise ValueError(
+                "train.objective=grpo has no eval loss yet; unset data.eval and "
+                "data.eval_fraction (train.sample_prompts still shows replies)"
+            )
         return self
 
 

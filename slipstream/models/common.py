@@ -281,6 +281,7 @@ class CausalLM(nn.Module):
         reduction: str = "mean",
         label_positions: torch.Tensor | None = None,
         return_parts: bool = False,
+        temperature: float = 1.0,
     ):
         """Cross-entropy over positions whose label is not -100 (labels already shifted),
         plus, as transformers adds it, `router_aux_loss_coef * aux` when that is > 0 (MoE;
@@ -295,6 +296,8 @@ class CausalLM(nn.Module):
         objectives that weigh tokens or sequences (slipstream/objectives/logps.py); no aux.
         `return_parts`: -> (loss, parts), parts detached for logging: `lm_loss` (the
         cross-entropy) and, when added, `aux_loss` (aux, times N for "sum").
+        `temperature` (reduction "none" only): log-probs of logits / temperature (GRPO scores
+        completions under the distribution they were sampled from, as TRL does).
         """
         if labels_T.shape != input_ids_T.shape:
             raise ValueError(
@@ -314,6 +317,8 @@ class CausalLM(nn.Module):
             h_TD = h_TD.index_select(0, label_positions)
             labels_T = labels_T.index_select(0, label_positions)
         if reduction == "none":
+            if temperature != 1.0:  # the head has no bias: (h / T) W^T = logits / T
+                h_TD = h_TD / temperature
             return -linear_token_logps(h_TD, self.lm_head_weight(), labels_T)
         loss = linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
         parts = {"lm_loss": loss.detach()}

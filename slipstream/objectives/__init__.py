@@ -26,6 +26,7 @@ OBJECTIVES: dict[str, str] = {
     "dpo": "slipstream.objectives.preference:Preference",
     "orpo": "slipstream.objectives.preference:Preference",
     "simpo": "slipstream.objectives.preference:Preference",
+    "grpo": "slipstream.objectives.grpo:GRPO",
 }
 
 

@@ -22,9 +22,14 @@ def token_logps(
     labels_T: torch.Tensor,
     seq,
     positions_N: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log p(labels[t] | tokens <= t) at each scored position t: (N,) float32."""
-    return -model.loss(input_ids_T, labels_T, seq, reduction="none", label_positions=positions_N)
+    """log p(labels[t] | tokens <= t) at each scored position t: (N,) float32 (of logits /
+    temperature when given)."""
+    kwargs = {"temperature": temperature} if temperature != 1.0 else {}
+    return -model.loss(
+        input_ids_T, labels_T, seq, reduction="none", label_positions=positions_N, **kwargs
+    )
 
 
 def segment_sums(

@@ -49,23 +49,33 @@ def run_steps(run: Run) -> dict[str, Any]:
     if run.start_step == 0 and evaluates(run):
         run.eval_before = eval_point(run, meter, 0)
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
-    stream = micro_batch_stream(len(run.data.train_batches), t.seed, run.start_step * run.per_step)
+    # An objective with a rollout (GRPO) trains `iterations` steps on one window's prompts.
+    repeat = getattr(objective, "iterations", 1)
+    start = run.start_step // repeat * run.per_step
+    stream = micro_batch_stream(len(run.data.train_batches), t.seed, start)
+    window: list[Any] = []
     clip = t.clip if t.clip is not None else math.inf
     step, stopped_by = run.start_step, None
     run.model.train()
     with StopSignal() as stop:
         for step in range(run.start_step + 1, run.total_steps + 1):
-            mine = [next(stream) for _ in range(run.per_step)][dist.rank() :: dist.world_size()]
-            window = [collate_batch(run, run.data.train, run.data.train_batches[i]) for i in mine]
-            weight = sum(objective.weight(b) for b in window)
+            if (step - 1) % repeat == 0 or not window:
+                mine = [next(stream) for _ in range(run.per_step)]
+                window = [collate_batch(run, run.data.train, run.data.train_batches[i])
+                          for i in mine[dist.rank() :: dist.world_size()]]  # fmt: skip
+            batches = window
+            if hasattr(objective, "rollout"):  # online generation (GRPO): prompts -> sequences
+                batches, rollout = objective.rollout(run, step, window)
+                meter.add_rollout(rollout)
+            weight = sum(objective.weight(b) for b in batches)
             loss, metrics = accumulate_gradients(
-                run.model, window, objective, dist.step_weight(weight, run.device), run.ddp
+                run.model, batches, objective, dist.step_weight(weight, run.device), run.ddp
             )
             grad_norm = torch.nn.utils.clip_grad_norm_(run.params, clip)
             loss = run.guard.step(run.optimizer, step, loss, grad_norm)  # NaN/inf: nonfinite.py
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-            meter.add(window, weight, loss, metrics)
+            meter.add(batches, weight, loss, metrics)
             stopping = meter.end_step(
                 step, grad_norm, run.scheduler.get_last_lr()[0], stop.requested
             )

@@ -45,6 +45,8 @@ class StepMeter:
         self.loss = torch.zeros((), device=run.device)
         self.metrics: dict[str, torch.Tensor] = {}
         self.weight = self.tokens = self.flops = 0
+        self.rollout_s = 0.0
+        self.rollout_stats: dict[str, list[float]] = {}
         self.last_time = time.perf_counter()
 
     def add(self, window: list[Any], weight: int, loss: torch.Tensor, metrics: dict) -> None:
@@ -56,6 +58,16 @@ class StepMeter:
         self.tokens += sum(b.input_ids.numel() for b in window)
         if self.step_flops:  # from the host lengths: no device work
             self.flops += sum(self.step_flops(b.seq.lengths) for b in window)
+
+    def add_rollout(self, rollout: dict[str, Any]) -> None:
+        """An objective's rollout (GRPO): `{"stats": {name: value}, "seconds": s}`, host
+        values already the same on every rank (or {} for a step without one). A logged step
+        shows each stat's mean over the interval's rollouts, `gen_time_s` (their seconds)
+        and `train_time_s` (the rest of the interval); tokens_per_s and mfu are then of
+        the training part alone."""
+        for name, value in rollout.get("stats", {}).items():
+            self.rollout_stats.setdefault(name, []).append(value)
+        self.rollout_s += rollout.get("seconds", 0.0)
 
     def end_step(self, step: int, grad_norm: torch.Tensor, lr: float, stop: bool) -> bool:
         """Log `step` if it is due; returns True when a rank asked to stop (under torchrun
@@ -81,7 +93,11 @@ class StepMeter:
         # Non-finite steps since the last read: skipped and counted, or exit 2 (nonfinite.py)
         skipped = self.guard.check(rest[-self.guard.num_counters :], step, loss / weight)
         now = time.perf_counter()
-        elapsed = max(now - self.last_time, 1e-9)
+        elapsed = max(now - self.last_time - self.rollout_s, 1e-9)  # the training part
+        rollout = {}
+        if self.rollout_stats or self.rollout_s:
+            rollout = {n: sum(v) / len(v) for n, v in self.rollout_stats.items()}
+            rollout.update(gen_time_s=self.rollout_s, train_time_s=elapsed)
         self.tokens_total += int(tokens)
         self.last_loss = loss / weight
         # Every rank's useful FLOPs over every rank's peak (train/flops.py).
@@ -98,8 +114,10 @@ class StepMeter:
                 "mfu": mfu,
                 **({"skipped_steps": skipped} if self.guard.limit else {}),
                 **{n: m / weight for n, m in zip(names, means)},
+                **rollout,
             }
         )
+        self.rollout_s, self.rollout_stats = 0.0, {}
         self.loss.zero_()
         for value in self.metrics.values():
             value.zero_()
@@ -120,6 +138,7 @@ class StepMeter:
     def pause(self) -> None:
         """Restart the interval clock (after an eval or a save)."""
         self.last_time = time.perf_counter()
+        self.rollout_s = 0.0  # rollout seconds count within the clock's interval
 
     @property
     def tokens_trained(self) -> int:

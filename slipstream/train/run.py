@@ -113,7 +113,8 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     )  # fmt: skip
     epochs = t.epochs if t.epochs is not None else 1.0
     per_step = t.grad_accum * world
-    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step)
+    repeat = getattr(objective, "iterations", 1)  # GRPO: steps per window of prompts
+    total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step) * repeat
     scheduler = build_schedule(
         optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
     )

@@ -1,0 +1,271 @@
+"""GRPO (and its DAPO / Dr. GRPO loss variants): RL on verifiable rewards, as one objective
+of the shared trainer (docs/grpo.md; the formulas in grpo_loss.py; data in grpo_data.py).
+
+One optimizer step: the loop collates the step's prompt batches and hands them to
+`rollout(run, step, window)`, which
+1. generates G completions per prompt (`generation.engine`, LoRA unmerged, eval mode, no
+   grad; sampling seeded from (train.seed, rollout index, rank), so a resumed run draws the
+   same completions),
+2. scores them with the reward functions (host) and turns rewards into group-normalised
+   advantages (a group is one prompt's G completions, always on one rank),
+3. packs the prompt+completion sequences by their real length into micro-batches within
+   `train.tokens_per_batch` (never more micro-batches than prompt batches; under torchrun
+   every rank the same number), with advantages and per-token loss scales built on the
+   host, and, on the device, the old log-probs (mu > 1) and the reference's (beta > 0).
+The loop then runs its usual accumulation over those micro-batches: `micro_batch_loss` is
+the clipped surrogate over completion tokens, log-probs through the chunked LM head, no host
+sync. `iterations_per_batch` = mu: one rollout serves mu consecutive optimizer steps (its
+prompts drawn once); mu = 1 takes the old log-probs as the detached current ones (ratio 1,
+as TRL). A prompt example's packed length is G * (prompt + max_completion_tokens), so a
+prompt batch's completions always fit one micro-batch.
+
+Rollout statistics (rewards, lengths, generation time) are gathered over ranks once per
+rollout and logged through the meter's host stats (train/meter.py `add_rollout`).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from slipstream import distributed as dist
+from slipstream.objectives.grpo_data import (
+    PromptBatch,
+    PromptExample,
+    RolloutBatch,
+    Sample,
+    check_prompt_column,
+    collate_rollouts,
+    pack_sequences,
+    split_to,
+    tokenize_prompts,
+)
+from slipstream.objectives.grpo_loss import advantages, nanstd, token_losses, total_rewards
+from slipstream.objectives.logps import token_logps
+
+# The `grpo` config section's defaults (slipstream/config.py), for use without a RunConfig.
+DEFAULTS: dict[str, Any] = dict(
+    num_generations=8, max_prompt_tokens=256, max_completion_tokens=256, temperature=1.0,
+    top_p=1.0, epsilon=0.2, epsilon_high=None, beta=0.0, reference="start", loss_type="dapo",
+    scale_rewards="group", mask_truncated_completions=False, iterations_per_batch=1, rewards=[],
+)  # fmt: skip
+
+
+def build_rewards(specs: list[dict]) -> Any:
+    """The config's reward functions (slipstream/rewards)."""
+    from slipstream.rewards import build_rewards as build
+
+    return build(specs)
+
+
+class GRPO:
+    """The objective the trainer runs for train.objective = grpo."""
+
+    name = "grpo"
+    perplexity = False
+
+    def __init__(self, cfg: Any = None, *, rewards: Any = None, **options: Any) -> None:
+        """From a RunConfig (the `grpo` section), or without one from keyword options named
+        as the section's keys (tests, the Python API); `rewards` a RewardFunctions-like
+        object (default: built from `grpo.rewards`)."""
+        if cfg is not None:
+            g, d, t = cfg.grpo, cfg.data, cfg.train
+            self.seed, self.budget = t.seed, t.tokens_per_batch
+            self.data_options = dict(overlong=d.overlong, strict=d.strict)
+            self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
+        else:
+            unknown = set(options) - set(DEFAULTS)
+            if unknown:
+                raise ValueError(f"GRPO options {sorted(unknown)}: use {', '.join(DEFAULTS)}")
+            g = SimpleNamespace(**{**DEFAULTS, **options})
+            self.seed, self.budget = 0, 1 << 30
+            self.data_options = {}
+            self.full = self.from_adapter = False
+        self.options = g
+        self.G, self.mu, self.beta = g.num_generations, g.iterations_per_batch, g.beta
+        self.epsilon = g.epsilon
+        self.epsilon_high = g.epsilon_high if g.epsilon_high is not None else g.epsilon
+        self.rewards = rewards if rewards is not None else build_rewards(g.rewards)
+        self.reference = None  # attach(): a ReferencePolicy when beta > 0
+        self.iterations = self.mu  # the loop draws prompts once per `iterations` steps
+        self._cached: tuple[int, list[RolloutBatch]] | None = None
+
+    def attach(self, model: torch.nn.Module, cfg: Any, data: Any, device: Any) -> None:
+        """The KL reference (beta > 0), before any data-parallel wrapping."""
+        from slipstream.objectives.reference import build_reference
+
+        t = cfg.train
+        if dist.world_size() > 1 and dist.resolve_mode(
+            t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
+            optimizer=t.optimizer,
+        ) == "fsdp":  # fmt: skip
+            raise ValueError(
+                "train.objective=grpo runs under torchrun with DDP only (ranks generate "
+                "different lengths; FSDP2 needs equal forwards): set train.parallel=ddp"
+            )
+        if self.beta > 0:
+            self.reference = build_reference(
+                model, full=self.full, reference=self.options.reference,
+                from_adapter=self.from_adapter,
+            )  # fmt: skip
+
+    # -- data ---------------------------------------------------------------------------
+    def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
+        columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
+        if list(columns) == ["_json"] and len(rows):
+            import json
+
+            columns = list(json.loads(rows[0]["_json"]))
+        check_prompt_column(columns)
+        return tokenize_prompts(rows, tokenizer, max_prompt_tokens=self.options.max_prompt_tokens,
+                                first_row=first_row, **self.data_options)  # fmt: skip
+
+    def length(self, example: PromptExample) -> int:
+        return self.G * (len(example.prompt_ids) + self.options.max_completion_tokens)
+
+    def collate(self, examples: list[PromptExample]) -> Any:
+        return PromptBatch(list(examples))
+
+    def weight(self, batch: RolloutBatch) -> int:
+        return batch.weight
+
+    # -- rollout ------------------------------------------------------------------------
+    def rollout(self, run: Any, step: int, window: list[PromptBatch]):
+        """-> (training micro-batches on the run's device, host stats of this rollout, or
+        {} when the step reuses the last rollout (mu > 1))."""
+        index = (step - 1) // self.mu
+        if self._cached is not None and self._cached[0] == index:
+            return self._cached[1], {}
+        batches, stats = self.generate_batches(run.model, run.tokenizer, window, run.device,
+                                               seed=self.rollout_seed(index))  # fmt: skip
+        self._cached = (index, batches)
+        return batches, stats
+
+    def rollout_seed(self, index: int) -> int:
+        return ((self.seed * 1_000_003 + index) * 65_537 + dist.rank()) % (1 << 62)
+
+    def generate_batches(self, model, tokenizer, window, device, *, seed: int):
+        """Generate, score, pack (module docstring, steps 1-3)."""
+        from slipstream.generation import engine
+        from slipstream.generation.api import stop_token_ids
+        from slipstream.generation.sampling import Sampling
+
+        g, G = self.options, self.G
+        examples = [ex for b in window for ex in b.examples]
+        start = time.perf_counter()
+        rows = engine.run(
+            model, [ex.prompt_ids for ex in examples], samples_per_prompt=G,
+            max_new_tokens=g.max_completion_tokens, sampling=Sampling(g.temperature, g.top_p),
+            stop_ids=stop_token_ids(tokenizer), logprobs=False,
+            max_positions=model.config.hf.get("max_position_embeddings"),
+            generator=torch.Generator(device).manual_seed(seed),
+        )  # fmt: skip
+        gen_s = time.perf_counter() - start
+        completions = [r.token_ids for r in rows]
+        rewards_SF = self.score(tokenizer, examples, completions)
+        total_S = total_rewards(rewards_SF, self.rewards.weights)  # NaN: every one None
+        truncated = [r.finish_reason == "length" for r in rows]
+        lengths = [len(c) for c in completions]
+        gathered = dist.gather_objects((rewards_SF, total_S, lengths, truncated, gen_s))
+        batch_std = None
+        if g.scale_rewards == "batch":
+            batch_std = float(nanstd(torch.cat([x[1] for x in gathered])))
+        adv_S, _ = advantages(total_S, G, g.scale_rewards, batch_std)
+        samples = [
+            Sample(examples[i // G].prompt_ids, c, float(adv_S[i]),
+                   truncated[i] and g.mask_truncated_completions)
+            for i, c in enumerate(completions)
+        ]  # fmt: skip
+        batches = self.pack(samples, window, device)
+        self.add_logps(model, batches)
+        return batches, self.rollout_stats(gathered, sum(lengths))
+
+    def score(self, tokenizer, examples: list[PromptExample], completions) -> torch.Tensor:
+        """(S, F) rewards of the completions (TRL's reward-function arguments)."""
+        G = self.G
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        prompts = [examples[i // G].prompt for i in range(len(texts))]
+        shown = [
+            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        keys = {k for ex in examples for k in ex.columns}
+        columns = {k: [examples[i // G].columns.get(k) for i in range(len(texts))] for k in keys}
+        rows = [examples[i // G].row for i in range(len(texts))]
+        return self.rewards(prompts, shown, columns, rows)
+
+    def pack(self, samples: list[Sample], window: list[PromptBatch], device) -> list:
+        G, n = self.G, 0
+        fallback = []
+        for b in window:  # the prompt batches' own grouping fits by construction
+            fallback.append(list(range(n, n + G * len(b.examples))))
+            n += G * len(b.examples)
+        bins = pack_sequences([len(s) for s in samples], self.budget, fallback)
+        if dist.world_size() > 1:  # every rank the same number of micro-batches
+            bins = split_to(bins, max(dist.gather_objects(len(bins))))
+        g = self.options
+        return [
+            collate_rollouts([samples[i] for i in b], g.loss_type, g.max_completion_tokens)
+            .to(device)
+            for b in bins
+        ]  # fmt: skip
+
+    @torch.no_grad()
+    def add_logps(self, model, batches: list[RolloutBatch]) -> None:
+        """Old log-probs (mu > 1) and the reference's (beta > 0), on the device."""
+        T = self.options.temperature
+        if self.mu > 1:
+            was_training = model.training
+            model.eval()
+            for b in batches:
+                b.old_logps = token_logps(model, b.input_ids, b.labels, b.seq, b.positions, T)
+            model.train(was_training)
+        if self.reference is not None:
+            with self.reference.active() as ref:
+                for b in batches:
+                    b.ref_logps = token_logps(ref, b.input_ids, b.labels, b.seq, b.positions, T)
+
+    def rollout_stats(self, gathered: list, tokens: int) -> dict[str, float]:
+        """Host stats over every rank's completions (TRL's metric names where it has one)."""
+        r_SF = torch.cat([x[0] for x in gathered])
+        total_S = torch.cat([x[1] for x in gathered])
+        lengths = [n for x in gathered for n in x[2]]
+        truncated = [t for x in gathered for t in x[3]]
+        gen_s = max(x[4] for x in gathered)  # the step waits for the slowest rank
+        _, zero_S = advantages(total_S, self.G, "group")
+        stats = {
+            "reward": float(total_S.nanmean()),
+            "reward_std": float(nanstd(total_S)),
+            "frac_reward_zero_std": float(zero_S.float().mean()),
+            "completions/mean_length": sum(lengths) / len(lengths),
+            "completions/max_length": float(max(lengths)),
+            "completions/clipped_ratio": sum(truncated) / len(truncated),
+            "gen_tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
+        }
+        for f, name in enumerate(self.rewards.names):
+            stats[f"rewards/{name}/mean"] = float(r_SF[:, f].nanmean())
+            stats[f"rewards/{name}/std"] = float(nanstd(r_SF[:, f]))
+        return {"stats": stats, "seconds": gen_s}
+
+    # -- loss ---------------------------------------------------------------------------
+    def micro_batch_loss(
+        self, model: torch.nn.Module, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped surrogate summed with the loss type's per-token scales, and metric
+        sums: `clip_ratio/region_mean` and `kl` (beta > 0) as token means times the batch's
+        weight (device tensors, no host sync)."""
+        b, T = batch, self.options.temperature
+        logps_N = token_logps(model, b.input_ids, b.labels, b.seq, b.positions, T)
+        old_N = b.old_logps if b.old_logps is not None else logps_N.detach()
+        loss_N, clipped_N, kl_N = token_losses(
+            logps_N, old_N, b.advantages, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            beta=self.beta, ref_N=b.ref_logps,
+        )  # fmt: skip
+        loss = (loss_N * b.scales).sum()
+        metrics = {"clip_ratio/region_mean": (clipped_N * b.mask).sum() * b.metric_scale}
+        if kl_N is not None:
+            metrics["kl"] = (kl_N.detach() * b.mask).sum() * b.metric_scale
+        return loss, metrics

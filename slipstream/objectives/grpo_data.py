@@ -1,0 +1,227 @@
+"""GRPO's data: prompt rows in, prompt examples out; rolled-out completions packed into the
+training micro-batches the loss reads.
+
+Rows have a `prompt` column (a string, or a list of chat messages rendered with the chat
+template and its generation prompt, as `slipstream.generate` renders them) and any other
+columns the reward functions read (kept as they are, handed to the rewards per completion).
+A prompt over `max_prompt_tokens` is dropped (`data.overlong: drop`, counted) or keeps its
+last tokens (`truncate`, TRL's left truncation); a row without a usable prompt is counted
+and skipped (fatal with `data.strict`).
+
+A rolled-out micro-batch holds S prompt+completion sequences packed without padding. Only
+completion tokens are scored: position t scores token t+1 when t+1 is past the prompt.
+Built on the host per scored position (N of them): `advantages`, `scales` (the loss type's
+per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `mask`
+(1 for tokens of unmasked completions), and on the device later `old_logps` (mu > 1) and
+`ref_logps` (beta > 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from slipstream.data.labels import DataReport
+from slipstream.ops.packing import SeqInfo
+
+
+@dataclass
+class PromptExample:
+    """One prompt: its token ids, the raw prompt (for the rewards), the row's other columns
+    and its row index in the source."""
+
+    prompt_ids: list[int]
+    prompt: Any
+    columns: dict[str, Any]
+    row: int
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of one packed batch, before the rollout (host only)."""
+
+    examples: list[PromptExample]
+
+    def to(self, device: Any) -> PromptBatch:
+        return self
+
+
+def check_prompt_column(columns: Sequence[str], source: str = "data") -> None:
+    if "prompt" not in columns:
+        raise ValueError(
+            f"train.objective=grpo needs a 'prompt' column (a string or chat messages); "
+            f"{source} has columns {sorted(columns)}"
+        )
+
+
+def _encode(tokenizer: Any, prompt: Any) -> list[int]:
+    from slipstream.generation.api import prompt_ids
+
+    if isinstance(prompt, list) and not all(
+        isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in prompt
+    ):
+        raise ValueError("'prompt' messages need a 'role' and 'content' each")
+    return prompt_ids(prompt, tokenizer)
+
+
+def tokenize_prompts(
+    rows: Any,
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    overlong: str = "drop",
+    strict: bool = False,
+    first_row: int = 0,
+) -> tuple[list[PromptExample], DataReport]:
+    """Prompt rows (a `datasets.Dataset` or list of dicts) -> examples; every skip counted."""
+    if len(rows) == 0:
+        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
+    report = DataReport(rows=len(rows), format="prompt")
+    examples: list[PromptExample] = []
+    for index, row in enumerate(rows, start=first_row):
+        if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
+            row = json.loads(row["_json"])
+        prompt = row.get("prompt")
+        try:
+            if not isinstance(prompt, (str, list)) or not prompt:
+                raise ValueError(f"'prompt' is {type(prompt).__name__}, not text or messages")
+            ids = _encode(tokenizer, prompt)
+        except ValueError as e:
+            if strict:
+                raise ValueError(
+                    f"data row {index}: {e} (strict mode; fix or remove the row)"
+                ) from None
+            report.skipped["bad_prompt"] += 1
+            report.first_skip = report.first_skip or f"row {index}: {e}"
+            continue
+        if len(ids) > max_prompt_tokens:
+            if overlong == "drop":
+                report.dropped += 1
+                report.dropped_lengths[len(ids)] += 1
+                continue
+            ids = ids[-max_prompt_tokens:]
+            report.truncated += 1
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        examples.append(PromptExample(ids, prompt, columns, index))
+        report.kept += 1
+        report.tokens += len(ids)
+    return examples, report
+
+
+@dataclass
+class Sample:
+    """One rolled-out completion of a prompt, as the packer sees it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    masked: bool  # a truncated completion with mask_truncated_completions
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class RolloutBatch:
+    """S packed prompt+completion sequences (module docstring). Host ints: `num_sequences`,
+    `completion_tokens` (unmasked scored tokens), `weight` (the loss type's normaliser
+    share), `metric_scale` (weight / completion_tokens: token means logged per weight)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    seq: SeqInfo
+    positions: torch.Tensor
+    advantages: torch.Tensor
+    scales: torch.Tensor
+    mask: torch.Tensor
+    num_sequences: int
+    completion_tokens: int
+    weight: int
+    metric_scale: float
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The batch on `device`: two non-blocking copies (int64, float32) + the SeqInfo's."""
+        device = torch.device(device)
+        ints, floats = self._host
+        if device.type == "cuda" and not ints.is_pinned():
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints, floats = ints.to(device, non_blocking=True), floats.to(device, non_blocking=True)
+        T, N = self.input_ids.numel(), self.positions.numel()
+        return replace(
+            self, input_ids=ints[:T], labels=ints[T : 2 * T], positions=ints[2 * T :],
+            seq=self.seq.to(device), advantages=floats[:N], scales=floats[N : 2 * N],
+            mask=floats[2 * N :], _host=[ints, floats],
+        )  # fmt: skip
+
+
+def collate_rollouts(sequences: Sequence[Sample], loss_type: str, max_completion: int):
+    """Pack sequences into one RolloutBatch (host tensors; `.to(device)` moves them)."""
+    from slipstream.objectives.grpo_loss import token_scales
+
+    lengths = [len(s.completion_ids) for s in sequences]
+    scales_S, weight = token_scales(lengths, [s.masked for s in sequences], loss_type)
+    if loss_type == "dr_grpo":
+        weight *= max_completion
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    adv: list[float] = []
+    scales: list[float] = []
+    mask: list[float] = []
+    for s, scale in zip(sequences, scales_S, strict=True):
+        start, p = len(ids), len(s.prompt_ids)
+        full = s.prompt_ids + s.completion_ids
+        ids.extend(full)
+        labels.extend([-100] * len(full))
+        for t in range(p - 1, len(full) - 1):  # position t scores completion token t + 1
+            labels[start + t] = full[t + 1]
+            positions.append(start + t)
+        n = len(s.completion_ids)
+        adv += [s.advantage] * n
+        scales += [scale] * n
+        mask += [0.0 if s.masked else 1.0] * n
+    ints = torch.tensor(ids + labels + positions, dtype=torch.int64)
+    floats = torch.tensor(adv + scales + mask, dtype=torch.float32)
+    if torch.cuda.is_available():
+        ints, floats = ints.pin_memory(), floats.pin_memory()
+    T, N = len(ids), len(positions)
+    tokens = int(sum(mask))
+    return RolloutBatch(
+        ints[:T], ints[T : 2 * T], SeqInfo.from_lengths([len(s) for s in sequences]),
+        ints[2 * T :], floats[:N], floats[N : 2 * N], floats[2 * N :], len(sequences), tokens,
+        weight, weight / max(tokens, 1), _host=[ints, floats],
+    )  # fmt: skip
+
+
+def pack_sequences(lengths: list[int], budget: int, fallback: list[list[int]]) -> list[list[int]]:
+    """Sequences (by index) into micro-batches of at most `budget` tokens, best-fit
+    decreasing by real length; never more micro-batches than `fallback` (the prompt batches'
+    own grouping, which fits by construction)."""
+    from slipstream.data import pack_examples
+
+    bins = pack_examples(lengths, budget)
+    return bins if len(bins) <= len(fallback) else fallback
+
+
+def split_to(bins: list[list[int]], count: int) -> list[list[int]]:
+    """Split the fullest micro-batches (by sequences) in halves until there are `count`:
+    under torchrun every rank runs the same number of micro-batches."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        i = max(range(len(bins)), key=lambda k: len(bins[k]))
+        if len(bins[i]) < 2:
+            raise AssertionError("cannot split a one-sequence micro-batch")
+        half = len(bins[i]) // 2
+        bins[i : i + 1] = [bins[i][:half], bins[i][half:]]
+    return bins

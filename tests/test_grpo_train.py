@@ -1,0 +1,135 @@
+"""GRPO through the trainer on a tiny random Llama: a LoRA run with a trivial reward logs the
+rollout and loss metrics and saves an adapter; a run stopped by a signal and resumed gives
+the same losses and adapter as one uninterrupted run (rollouts are seeded per step); with
+mu = 2 each rollout serves two optimizer steps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers.runs import make_tiny_run, train_until_signal
+from safetensors.torch import load_file
+
+from slipstream.config import config_from_dict
+from slipstream.objectives import grpo as grpo_mod
+from slipstream.train.loop import train
+
+QUESTIONS = ["sky", "grass", "sun", "snow", "coal", "car", "door", "cup"]
+
+
+class LengthRewards:
+    """Two reward functions: completion length / 10, and 1 when it has an 'e' (None for
+    prompts about the sun, to exercise NaN)."""
+
+    names, weights = ["length", "has_e"], [1.0, 0.5]
+
+    def __call__(self, prompts, completions, columns, rows):
+        assert len(columns["answer"]) == len(completions) == len(rows)
+        out = []
+        for p, c, a in zip(prompts, completions, columns["answer"], strict=True):
+            text = c[0]["content"] if isinstance(c, list) else c
+            assert isinstance(p, list) == isinstance(c, list) and a.startswith("answer")
+            out.append([len(text) / 10, math.nan if "sun" in str(p) else float("e" in text)])
+        return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_train")
+    model_dir, _ = make_tiny_run(root)
+    data = root / "prompts.jsonl"
+    ask = [[{"role": "user", "content": f"What color is the {q}?"}] for q in QUESTIONS * 2]
+    rows = [{"prompt": p, "answer": f"answer {i}"} for i, p in enumerate(ask)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model_dir, data
+
+
+@pytest.fixture(autouse=True)
+def rewards(monkeypatch):
+    monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: LengthRewards())
+
+
+def grpo_config(tiny, out, **grpo):
+    model_dir, data = tiny
+    return {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(data)},
+        "lora": {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.1},
+        "train": {
+            "objective": "grpo", "lr": 2e-2, "steps": 4, "tokens_per_batch": 2 * 4 * 60,
+            "grad_accum": 2, "log_every": 1, "save_every": 2, "device": "cpu",
+            "activation_checkpointing": "none",
+        },
+        "grpo": {
+            "num_generations": 4, "max_prompt_tokens": 48, "max_completion_tokens": 12,
+            "rewards": [{"function": "length"}], **grpo,
+        },
+        "output_dir": str(out),
+    }  # fmt: skip
+
+
+def lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo_mod, "build_rewards", lambda specs: LengthRewards())
+        summary = train(config_from_dict(grpo_config(tiny, out)))
+    return out, summary
+
+
+def test_a_grpo_run_logs_rollout_metrics_and_saves_an_adapter(straight):
+    out, summary = straight
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    steps = [r for r in lines(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/length/mean",
+                    "rewards/has_e/std", "completions/mean_length", "completions/max_length",
+                    "completions/clipped_ratio", "clip_ratio/region_mean", "gen_time_s",
+                    "train_time_s", "gen_tokens_per_s", "tokens_per_s"):  # fmt: skip
+            assert key in r, (key, r)
+        assert 1 <= r["completions/mean_length"] <= r["completions/max_length"] <= 12
+        assert r["gen_time_s"] > 0 and r["train_time_s"] > 0
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+    # 2 prompts a micro-batch, 2 micro-batches: 4 prompts x 4 completions a step
+    assert abs(steps[0]["reward"]) < 10
+    assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_resume_after_a_signal_repeats_the_uninterrupted_run(straight, tiny, tmp_path):
+    out, _ = straight
+    cfg = config_from_dict(grpo_config(tiny, tmp_path / "resumed"))
+    summary = train_until_signal(cfg, at_step=3)
+    assert summary["status"] == "interrupted"
+    resumed = config_from_dict({**grpo_config(tiny, tmp_path / "resumed"), "resume": True})
+    assert train(resumed)["status"] == "completed"
+    want = {r["step"]: r for r in lines(out) if "loss" in r}
+    got = {r["step"]: r for r in lines(tmp_path / "resumed") if "loss" in r}
+    for step in (3, 4):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-6)
+        assert got[step]["reward"] == pytest.approx(want[step]["reward"], abs=1e-6)
+    a, b = (
+        load_file(out / "adapter_model.safetensors"),
+        load_file(tmp_path / "resumed" / "adapter_model.safetensors"),
+    )
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-5)
+
+
+def test_mu_two_reuses_each_rollout_for_two_steps(tiny, tmp_path):
+    raw = grpo_config(tiny, tmp_path / "mu", iterations_per_batch=2, beta=0.05)
+    raw["train"]["save_every"] = 0
+    train(config_from_dict(raw))
+    steps = [r for r in lines(tmp_path / "mu") if "loss" in r]
+    # Rollout stats come with steps 1 and 3 only; step 2 and 4 train on the same completions.
+    assert ["reward" in r for r in steps] == [True, False, True, False]
+    assert all("kl" in r for r in steps)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the start
+    assert steps[1]["kl"] > 0 and steps[1]["clip_ratio/region_mean"] >= 0
