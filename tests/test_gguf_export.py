@@ -10,14 +10,15 @@ import torch
 from slipstream.checkpoint.gguf_export import GGUF_TYPES, export_gguf
 from slipstream.checkpoint.hf import load_model
 from slipstream.ops.packing import SeqInfo
+from tests.helpers import gguf_tokenizer
+from tests.helpers.gguf_tokenizer import VOCAB
 from tests.helpers.models import make_hf_model, ours_from_hf
 from tests.helpers.moe_models import make_hf_moe_model
-from tests.helpers.tokenizers import save_test_tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
+tokenizer = gguf_tokenizer.tokenizer  # the module-scoped fixture
 
-VOCAB = 320  # the test BPE: 256 bytes + specials + merges
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip
 # transformers' GGUF reader takes config defaults for keys its table lacks: Qwen3's head_dim
@@ -32,12 +33,6 @@ OVERRIDES = {
 TOLERANCE = {"f16": 2e-3, "q8_0": 4e-2}
 SCALE = {"gemma3_text": 2.5}  # Gemma multiplies the embeddings by sqrt(hidden): errors grow
 PROMPT = "Hello, how are you doing today? I am fine, thanks."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = save_test_tokenizer(tmp_path_factory.mktemp("tok"), "chatml", vocab_size=VOCAB)
-    return transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def tiny_hf(kind: str):
@@ -280,3 +275,41 @@ def test_gpt_oss_experts_in_llama_cpp_layout(tmp_path, tokenizer):
     np.testing.assert_array_equal(t["blk.0.attn_sinks.weight"], sinks)
     fields = gguf.GGUFReader(str(path)).fields
     assert int(fields["gpt-oss.expert_count"].contents()) == 8
+
+
+LONGROPE = dict(partial_rotary_factor=0.5, original_max_position_embeddings=8,
+                max_position_embeddings=64, rope_parameters=dict(
+                    rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 0.9, 1.1],
+                    long_factor=[2.0, 5.0, 3.0, 1.5]))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "phi3_longrope"])
+def test_our_import_alone_matches_the_source(tmp_path, tokenizer, kind):
+    """gpt-oss (transformers' GGUF reader cannot parse its RoPE metadata) and Phi-3 longrope
+    (factor sets stored as tensors): an f32 file read by our import computes the transformers
+    model's logits, below and past original_max_position_embeddings, with the same config."""
+    from dataclasses import replace
+
+    from slipstream.models import phi3
+
+    if kind == "gpt_oss":  # llama.cpp fixes the clamp at 7.0; wide experts so it bites
+        hf = make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, swiglu_limit=7.0)
+    else:
+        hf = make_hf_model("phi3", **{**DENSE, **LONGROPE})
+    ours = ours_from_hf(hf)
+    path = export_gguf(ours, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
+    back = load_model(path)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    for n in (5, len(ids)):  # 5 < original_max_position_embeddings (8) < len(ids)
+        with torch.no_grad():
+            ref = hf(ids[None, :n]).logits[0]
+            got = back(ids[:n], SeqInfo.from_lengths([n]))
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    assert replace(back.config, hf={}) == replace(ours.config, hf={})
+    if kind == "gpt_oss":
+        from slipstream.models.gpt_oss import layer_windows
+
+        assert layer_windows(back.config) == layer_windows(ours.config) == [4, None]
+        assert [layer.mlp.experts.limit for layer in back.model.layers] == [7.0, 7.0]
+    else:
+        assert phi3.Phi3Rope.from_hf(back.config.hf) == phi3.Phi3Rope.from_hf(ours.config.hf)

@@ -7,14 +7,15 @@ import torch
 
 from slipstream.checkpoint.gguf_export import export_gguf
 from slipstream.ops.packing import SeqInfo
+from tests.helpers import gguf_tokenizer
+from tests.helpers.gguf_tokenizer import VOCAB
 from tests.helpers.models import make_hf_model, ours_from_hf
 from tests.helpers.moe_models import make_hf_moe_model
-from tests.helpers.tokenizers import save_test_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
+tokenizer = gguf_tokenizer.tokenizer  # the module-scoped fixture
 
-VOCAB = 320
 DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip
 OVERRIDES = {
@@ -24,12 +25,6 @@ OVERRIDES = {
 }
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "gpt_oss"]
 PROMPT = "Hello, how are you doing today? I went hiking in the mountains."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = save_test_tokenizer(tmp_path_factory.mktemp("tok"), "chatml", vocab_size=VOCAB)
-    return transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def tiny(kind: str):

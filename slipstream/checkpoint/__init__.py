@@ -1,7 +1,8 @@
 """Checkpoint files: Hugging Face safetensors (hf.py), PEFT adapters (adapter.py), merged export
-(export.py), atomic writes (atomic.py); GGUF in (gguf.py: HF config and tensors from a .gguf) and
-out (gguf_export.py: the merged model; gguf_arch.py: family -> llama.cpp architecture, keys and
-layouts; gguf_lora.py: a PEFT adapter as a GGUF LoRA; gguf_modelfile.py: Ollama Modelfile).
+(export.py), atomic writes (atomic.py); GGUF in (gguf.py: HF tensors from a .gguf;
+gguf_config.py: its config) and out (gguf_export.py: the merged model; gguf_arch.py: family ->
+llama.cpp architecture, keys and layouts; gguf_lora.py: a PEFT adapter as a GGUF LoRA;
+gguf_modelfile.py: Ollama Modelfile).
 
 The names are imported on first use: `slipstream.checkpoint.atomic` (which the CLI imports)
 must not pull in torch through gguf.py."""

@@ -40,7 +40,7 @@ ARCHS = {
 # the tokenizers these families ship; others get "default" (GPT-2 rules).
 PRE_TOKENIZER = {"LLAMA": "llama-bpe", "QWEN2": "qwen2", "QWEN3": "qwen2", "QWEN3MOE": "qwen2",
                  "GPT_OSS": "gpt-4o"}  # fmt: skip
-_PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def gguf_arch(model_type: str) -> Any:
@@ -221,7 +221,7 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in hf_named_tensors(model):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        m = _PER_EXPERT.match(name)
+        m = PER_EXPERT.match(name)
         if m is not None:  # qwen3_moe: stack a layer's experts once all have come
             key = f"{m.group(1)}.{m.group(3)}.weight"
             experts.setdefault(key, {})[int(m.group(2))] = t
@@ -229,7 +229,7 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 parts = experts.pop(key)
                 yield rename(key), torch.stack([parts[e] for e in range(num_experts)])
             continue
-        yield from _reshape(kind, cfg, name, t, rename)
+        yield from to_llama_cpp(kind, cfg, name, t, rename)
     assert not experts, f"incomplete experts: {sorted(experts)[:3]}"
 
 
@@ -242,7 +242,10 @@ def _num_experts(cfg: Any) -> int:
         return 0
 
 
-def _reshape(kind: str, cfg: Any, name: str, t: torch.Tensor, rename) -> Iterator[tuple[str, Any]]:
+def to_llama_cpp(
+    kind: str, cfg: Any, name: str, t: torch.Tensor, rename
+) -> Iterator[tuple[str, Any]]:
+    """(llama.cpp name, tensor) for one HF tensor (gguf.py's `to_hf` is the inverse)."""
     if kind == "LLAMA" and name.endswith(("q_proj.weight", "q_proj.bias")):
         yield rename(name), permute_rotary(t, cfg.num_attention_heads)
     elif kind == "LLAMA" and name.endswith(("k_proj.weight", "k_proj.bias")):
