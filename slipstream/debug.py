@@ -18,22 +18,15 @@ test reading 0 proves the GPU path sync-free. Three interposers cooperate:
 The outermost interposer that judges a call counts it; the inner ones ignore it and what it
 dispatches, so one `.item()` counts once.
 
-Why the wrappers: a TorchFunctionMode is popped off the mode stack while its own handler
-runs, and `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` are
-overridable, so they reach the handler and run with the mode off. The autograd engine
-restores the torch-function mode stack it captured when backward started (empty, then) on
-every node, so a `.tolist()` in a custom Function's backward or in a checkpoint's recompute
-never reached the mode; the dispatch mode stays on, which is why `.item()` there was
-counted. Class attributes do not depend on the mode stack. While a block runs, the wrapped
-methods count calls from every thread, as the `synchronize` wrappers do.
+Why the wrappers: the autograd engine runs every node under the torch-function mode stack it
+captured when backward started (empty: `backward` and `autograd.grad` are overridable, so
+they reach the mode's handler, which runs with the mode popped). A `.tolist()` in a custom
+Function's backward or a checkpoint's recompute would never reach the mode; a class
+attribute does not depend on the mode stack. The wrappers count calls from every thread.
 
-Copies to the CPU: `.cpu()` and `.numpy()` always count (their only purpose is host data;
-on a GPU they sync). `.to(...)`/`copy_` count when the source is on a device and the copy
-blocks (`non_blocking=True` into pinned memory, as the offload path does, is async). On a
-CPU run `.to(x.device)` looks like a CPU->CPU copy and does not count, unless
-`cpu_copies=True`, which also counts `.to("cpu")`-style copies of CPU tensors.
-`x[mask] = 0.0` does not count: index_put_ turns one bool index with a Python-number value
-into `masked_fill_`, which stays on the device.
+Copies to the CPU count when the copy blocks: `.cpu()` and `.numpy()` always; `.to(...)` and
+`copy_` from a device unless `non_blocking=True` into pinned memory. On a CPU run a
+CPU->CPU `.to` counts only with `cpu_copies=True`.
 """
 
 from __future__ import annotations
@@ -91,10 +84,6 @@ _WRAPPED_METHODS = {
     "to": _TENSOR_TO,
     "__setitem__": _TENSOR_SETITEM,
 }
-
-
-def _is_tensor(t: object) -> bool:
-    return isinstance(t, torch.Tensor)
 
 
 def _is_mask(t: object) -> bool:
@@ -209,7 +198,7 @@ class _FunctionCounter(TorchFunctionMode):
             # `x[mask] = 0.0` becomes masked_fill_ on the device: no sync (index_put_ checks
             # for one bool index and a one-element CPU value, which a Python number becomes).
             parts = index if isinstance(index, tuple) else (index,)
-            tensors = [i for i in parts if _is_tensor(i)]
+            tensors = [i for i in parts if isinstance(i, torch.Tensor)]
             if isinstance(value, int | float | bool) and len(tensors) == 1 and _is_mask(tensors[0]):
                 return ""
         return None
