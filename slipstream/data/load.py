@@ -16,8 +16,7 @@ from typing import Any
 
 import datasets
 
-from slipstream.sources import DATA_SUFFIXES as LOCAL_SUFFIXES
-from slipstream.sources import is_local_data
+from slipstream.sources import check_data_source, is_local_data
 
 
 class EmptySplitError(ValueError):
@@ -103,12 +102,7 @@ def load_rows(source: str, *, split: str | None = None) -> datasets.Dataset:
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
     if is_local_data(source):  # else a hub id (sources.py: the same rule as the pre-check)
-        if not path.is_file():
-            raise ValueError(f"data file {source!r} does not exist (or is not a file).")
-        if suffix not in LOCAL_SUFFIXES:
-            raise ValueError(
-                f"data file {source!r}: unknown type {suffix!r}; use .jsonl .json .parquet .csv"
-            )
+        check_data_source(source, "load_rows")
         if suffix == ".jsonl":
             ds = _rows_to_dataset(_read_jsonl(path))
         elif suffix == ".json":
