@@ -205,12 +205,7 @@ def _apply_adapter_config(model: nn.Module, cfg: dict, src: Path) -> None:
             )
         return
     dropout = cfg.get("lora_dropout") or 0.0
-    check_hyperparameters(rank, alpha, dropout, str(source))
-    if experts and dropout > 0:
-        raise ValueError(
-            f"{source}: lora_dropout={dropout} with target_parameters is not "
-            "supported (PEFT has no dropout on parameters); set it to 0"
-        )
+    check_hyperparameters(rank, alpha, dropout, str(source), experts=bool(experts))
     linear = _linear_targets(cfg.get("target_modules") or [], model, source)
     wrap_lora(model, rank, alpha, dropout, linear, experts, use_rslora, use_dora)
 

@@ -95,12 +95,20 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
-def check_hyperparameters(rank: object, alpha: object, dropout: object, where: str) -> None:
-    """A one-line error naming `where` unless rank > 0 is an int, alpha > 0, dropout in [0, 1)."""
+def check_hyperparameters(
+    rank: object, alpha: object, dropout: object, where: str, experts: bool = False
+) -> None:
+    """A one-line error naming `where` unless rank > 0 is an int, alpha > 0, dropout in [0, 1)
+    (0 when LoRA goes on MoE `experts`: PEFT has no dropout on parameters)."""
     if not (isinstance(rank, int) and rank > 0) or not alpha > 0 or not 0 <= dropout < 1:
         raise ValueError(
             f"{where}: rank={rank!r}, alpha={alpha!r}, dropout={dropout!r}; need rank a "
             "positive integer, alpha > 0 and dropout in [0, 1)"
+        )
+    if experts and dropout > 0:
+        raise ValueError(
+            f"{where}: dropout={dropout} is not supported on MoE experts (PEFT has no dropout "
+            "on parameters); set it to 0 or target only linear layers (e.g. q_proj)"
         )
 
 
@@ -146,7 +154,6 @@ def apply_lora(
         targets = FUSED_DEFAULT_TARGETS if fused else DEFAULT_TARGETS
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
-    check_hyperparameters(rank, alpha, dropout, "lora")
     has_experts = bool(moe_blocks(model))
     if targets == "all-linear":
         linear, experts = "all-linear", set(EXPERT_TARGET_OF.values()) if has_experts else set()
@@ -163,11 +170,7 @@ def apply_lora(
                 f"lora targets {missing or sorted(wanted)} match no nn.Linear in the model; "
                 f"linear module names present: {sorted(present)}{also}"
             )
-    if experts and dropout > 0:
-        raise ValueError(
-            f"lora dropout={dropout} is not supported on MoE experts (PEFT has no dropout on "
-            "parameters); set lora dropout to 0 or target only linear layers (e.g. q_proj)"
-        )
+    check_hyperparameters(rank, alpha, dropout, "lora", experts=bool(experts))
     return wrap_lora(model, rank, alpha, dropout, linear, sorted(experts), use_rslora, use_dora)
 
 
