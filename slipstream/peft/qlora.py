@@ -32,6 +32,8 @@ NF4_TARGETS = (
     "gate_proj", "up_proj", "gate_up_proj", "down_proj",
 )  # fmt: skip
 BLOCKSIZE = 64
+# The NF4 settings every quantised weight is made with (bitsandbytes' keyword names).
+NF4 = {"blocksize": BLOCKSIZE, "compress_statistics": True, "quant_type": "nf4"}
 INSTALL_HINT = "pip install 'slipstream[qlora]' (or: pip install bitsandbytes)"
 # Companions of a packed `<module>.weight` in a bitsandbytes checkpoint.
 QUANT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -107,14 +109,9 @@ def quantize_linear_targets(
                 quant_storage=torch.uint8,
                 device="meta",
             )
-            q.weight = bnb.nn.Params4bit(
-                torch.empty(((child.weight.numel() + 1) // 2, 1), dtype=torch.uint8, device="meta"),
-                requires_grad=False,
-                blocksize=BLOCKSIZE,
-                compress_statistics=True,
-                quant_type="nf4",
-                module=q,
-            )
+            nbytes = (child.weight.numel() + 1) // 2  # one uint8 holds two 4-bit weights
+            packed = torch.empty((nbytes, 1), dtype=torch.uint8, device="meta")
+            q.weight = bnb.nn.Params4bit(packed, requires_grad=False, module=q, **NF4)
             q.bias = child.bias  # stays full precision, filled by the normal loader
             # bitsandbytes' AVX512-bf16 CPU inference path repacks the weight in place on the
             # first eval forward (absmax rounded to bf16, out_features % 32 == 0 required):
@@ -131,24 +128,11 @@ def set_nf4_weight(module: nn.Module, tensor: torch.Tensor, name: str, source: s
     check_shape(name, tensor.shape, (module.out_features, module.in_features), source)
     device = module.weight.device
     w = tensor.to(device=device, dtype=module.compute_dtype)
-    packed, state = bnb.functional.quantize_4bit(
-        w,
-        blocksize=BLOCKSIZE,
-        compress_statistics=True,
-        quant_type="nf4",
-        quant_storage=torch.uint8,
-    )
+    packed, state = bnb.functional.quantize_4bit(w, quant_storage=torch.uint8, **NF4)
     module.weight = bnb.nn.Params4bit(
-        packed,
-        requires_grad=False,
-        quant_state=state,
-        blocksize=BLOCKSIZE,
-        compress_statistics=True,
-        quant_type="nf4",
-        quant_storage=torch.uint8,
-        bnb_quantized=True,
-        module=module,
-    )
+        packed, requires_grad=False, quant_state=state, quant_storage=torch.uint8,
+        bnb_quantized=True, module=module, **NF4,
+    )  # fmt: skip
     module.quant_state = state
     if device.type == "cpu":
         del tensor, w
