@@ -1,19 +1,14 @@
 """What the MoE families share: the router, the routed block and the auxiliary loss.
 
-`MoEBlock.forward` calls `slipstream.ops.moe.moe` (top-k -> one stable sort -> counts by
-scatter_add -> grouped GEMMs over the offsets -> weighted gather back): no loop over experts
-and no host sync. Family files subclass it only to name the router as Hugging Face does
-(`mlp.gate` in Qwen3-MoE, `mlp.router` in GPT-OSS) and to give it an experts module with
+`MoEBlock.forward` calls `slipstream.ops.moe.moe`: no loop over experts and no host sync.
+Family files subclass it only to name the router as Hugging Face does (`mlp.gate` in
+Qwen3-MoE, `mlp.router` in GPT-OSS) and to give it an experts module with
 `gate_up(x_RD, plan)`, `activate(h_RF)` and `down(a_RI, plan)`; keeping the three steps
-separate is what lets expert LoRA (`apply_lora`, see `slipstream.peft.lora_experts`) add
-its deltas.
+separate is what lets expert LoRA (`slipstream.peft.lora_experts`) add its deltas.
 
-Auxiliary load-balancing loss: a block returns its router statistics beside its output
-(`ops.moe.router_stats`: per-expert routed-row counts and summed router probabilities), the
-decoder layer returns them beside its own, and `CausalLM.loss` pools them over the layers
-(`ops.moe.load_balancing_loss`, as transformers does) and adds `router_aux_loss_coef * aux`
-when the coefficient (a model attribute, `set_router_aux_loss_coef`) is > 0. Nothing is kept
-on the modules, so checkpointing and offload pass the statistics on as layer outputs.
+A block returns its router statistics beside its output, and `CausalLM.loss` turns them into
+the auxiliary load-balancing loss: nothing is kept on the modules, so checkpointing and
+offload pass the statistics on as layer outputs.
 
 Shapes: T tokens, D hidden, E experts, K top-k, R = T*K routed rows, F = 2I, I expert width.
 """

@@ -8,14 +8,9 @@ choices in float32. Dropless: there is no capacity factor and no token is ever l
 
 `grouped_mm` picks torch's `_grouped_mm` where it is one sync-free kernel (CUDA bf16 on
 sm90/sm100; CPU in torch >= 2.9, where it runs one small GEMM per expert internally, so its cost
-still creeps up with E at a fixed token count) and otherwise a tiled `bmm` fallback that needs
-no host sync either (see `_tiled_grouped_mm` for its cost).
-
-`moe(x_TD, logits_TE, experts, k)` composes the ops; the experts are the family's module
-(`experts(x_RD, plan) -> y_RD`: its stacked weights, activation and biases, grouped GEMMs over
-`plan.offsets_E`), which is what lets expert LoRA add its deltas in the same grouped GEMMs.
-`router_stats` / `load_balancing_loss` give transformers' auxiliary loss; `moe_loop_reference`
-is the per-expert loop that tests and benchmarks compare against.
+still creeps up with E) and otherwise a tiled `bmm` fallback that needs no host sync either.
+`moe(x_TD, logits_TE, experts, k)` composes the ops around the family's experts module;
+`moe_loop_reference` is the per-expert loop that tests and benchmarks compare against.
 
 Shapes: T tokens, D hidden, E experts, K top-k, I expert intermediate, F = 2I (fused gate+up
 width, or any output width in `grouped_mm`), R = T*K routed rows (sorted by expert), B rows of
