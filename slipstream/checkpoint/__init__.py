@@ -4,17 +4,5 @@ gguf_config.py: its config) and out (gguf_export.py: the merged model; gguf_arch
 llama.cpp architecture, keys and layouts; gguf_lora.py: a PEFT adapter as a GGUF LoRA;
 gguf_modelfile.py: Ollama Modelfile).
 
-The names are imported on first use: `slipstream.checkpoint.atomic` (which the CLI imports)
-must not pull in torch through gguf.py."""
-
-from typing import Any
-
-__all__ = ["gguf_tokenizer", "read_gguf", "smollm2_gguf_path"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from slipstream.checkpoint import gguf
-
-        return getattr(gguf, name)
-    raise AttributeError(f"module 'slipstream.checkpoint' has no attribute {name!r}")
+Nothing is imported here: `slipstream.checkpoint.atomic` (which the CLI imports) must not pull
+in torch."""
