@@ -1,10 +1,2 @@
-"""Memory techniques applied to a built model: activation checkpointing and offload."""
-
-from slipstream.memory.offload import (
-    OffloadPool,
-    OffloadStats,
-    apply_checkpointing,
-    get_offload_pool,
-)
-
-__all__ = ["OffloadPool", "OffloadStats", "apply_checkpointing", "get_offload_pool"]
+"""Memory techniques applied to a built model: activation checkpointing and offload (offload.py;
+its host slots, device buffers and copy stream: pool.py)."""

@@ -1,7 +1,3 @@
 """Parameter-efficient fine-tuning modules: LoRA and DoRA (lora.py, dora.py), expert LoRA on
 MoE blocks (lora_experts.py), QLoRA's NF4 bases (qlora.py), and PEFT's names for them
 (names.py). PEFT's adapter files are read and written by slipstream.checkpoint.adapter."""
-
-from slipstream.peft.lora import LoRALinear, apply_lora, lora_modules, merge_lora
-
-__all__ = ["LoRALinear", "apply_lora", "lora_modules", "merge_lora"]
