@@ -37,14 +37,18 @@ class BuiltinModel:
     install: str
 
     def path(self) -> Path:
-        """The file in its installed package (the package is found, not imported)."""
-        spec = importlib.util.find_spec(self.package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"the {self.package} package is not installed; run: {self.install}")
-        path = Path(next(iter(spec.submodule_search_locations))) / self.file
-        if not path.is_file():
-            raise ValueError(f"{self.package} has no {self.file}; reinstall it: {self.install}")
-        return path
+        return package_file(self.package, self.file, self.install)
+
+
+def package_file(package: str, file: str, install: str) -> Path:
+    """A file shipped inside an installed package (the package is found, not imported)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the {package} package is not installed; run: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / file
+    if not path.is_file():
+        raise ValueError(f"{package} has no {file}; reinstall it: {install}")
+    return path
 
 
 BUILTIN_MODELS = {

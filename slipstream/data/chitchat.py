@@ -9,28 +9,20 @@ joined by newlines), the first speaker is the user and speakers alternate.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import random
 from pathlib import Path
 
+from slipstream.sources import package_file
+
 INSTALL_HINT = "pip install chitchat-dataset"
-
-
-def _dataset_path() -> Path:
-    spec = importlib.util.find_spec("chitchat_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the chitchat-dataset package is not installed; run: {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / "dataset.json"
-    if not path.is_file():
-        raise ValueError(f"chitchat-dataset has no {path.name} at {path}; run: {INSTALL_HINT}")
-    return path
 
 
 @functools.lru_cache(maxsize=1)
 def _all_conversations() -> tuple[tuple[str, ...], ...]:
     # Reading the 40 MB file takes ~0.5 s; cached because the demo asks for train and eval.
-    data = json.loads(_dataset_path().read_text(encoding="utf-8"))
+    path = package_file("chitchat_dataset", "dataset.json", INSTALL_HINT)
+    data = json.loads(path.read_text(encoding="utf-8"))
     out = []
     for conv in data.values():
         turns = [
