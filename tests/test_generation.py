@@ -74,6 +74,29 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
         torch.testing.assert_close(lp, _hf_logprobs(hf, p, ref), atol=1e-4, rtol=0)
 
 
+def test_phi3_longrope_past_original_length_equals_transformers_generate(tmp_path):
+    """Phi-3 longrope, original_max_position_embeddings=8: prompts of 3, 7 and 8 tokens
+    cross it while generating (transformers' generate then drops its cache and recomputes the
+    whole sequence with the long factors), one of 11 starts past it. Greedy tokens and every
+    step's log-probs equal transformers' generate on each prompt alone."""
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[0.5, 1.0, 1.5, 2.0],
+                long_factor=[4.0, 16.0, 32.0, 64.0])  # fmt: skip
+    hf = make_hf_model("phi3", rope_parameters=rope, original_max_position_embeddings=8,
+                       max_position_embeddings=64)  # fmt: skip
+    ours = _ours(hf, tmp_path)
+    prompts = [*PROMPTS, list(range(1, 9))]
+    got = slipstream.generate(ours, prompts, max_new_tokens=NEW, return_logprobs=True)
+    for p, c in zip(prompts, got, strict=True):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        ref = out.sequences[0, len(p) :].tolist()
+        assert c.token_ids == ref, len(p)
+        ref_lp = torch.stack([torch.log_softmax(x[0], -1)[t] for x, t in zip(out.logits, ref)])
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref_lp, atol=1e-4, rtol=0)
+        if len(p) == 3:  # the factor set matters here: steps before the switch use the short one
+            assert (_hf_logprobs(hf, p, ref)[:5] - ref_lp[:5]).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("use_dora", [False, True])
 def test_unmerged_lora_equals_peft_generate(use_dora, tmp_path):
     from peft import PeftModel

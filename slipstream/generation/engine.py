@@ -12,6 +12,10 @@
    stop costing work. Between checks a finished row runs on for at most check_every - 1
    tokens, which are dropped.
 
+Phi-3 longrope (`Backbone.rope_switch_length`): a row whose length reaches
+original_max_position_embeddings + 1 is prefilled again in full at that step, every position
+under the long factors, as transformers' generate recomputes its cache there (`_recompute`).
+
 Host syncs: one per check, so ceil(max_new_tokens / check_every) for a batch that runs to
 its length limit (32 at 256 tokens with the default of 8), fewer when rows stop early;
 measured by tests/test_generation.py with `count_syncs`.
@@ -99,9 +103,13 @@ def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, o
     live = list(rows)
     pos_B = torch.tensor([r.prompt_len for r in live]).to(device, non_blocking=True)
     buf_BK2 = torch.zeros(len(live), K, 2, dtype=torch.int32, device=device)
+    switch = model.model.rope_switch_length  # None for every family but Phi-3 longrope
+    gen_BS = torch.zeros(len(live), steps, dtype=torch.long, device=device) if switch else None
     for step in range(steps):
         token_B, logprob_B = sample(logits_BV, sampling, generator, logprobs=want_lp)
         buf_BK2[:, step % K, 0] = token_B.to(torch.int32)
+        if gen_BS is not None:
+            gen_BS[:, step] = token_B
         if logprob_B is not None:
             buf_BK2[:, step % K, 1] = logprob_B.view(torch.int32)  # the float's bits, exact
         if (step + 1) % K == 0 or step + 1 == steps:
@@ -116,6 +124,7 @@ def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, o
                 cache.keep_rows(keep_B)
                 pos_B, token_B = pos_B.index_select(0, keep_B), token_B.index_select(0, keep_B)
                 buf_BK2 = buf_BK2.index_select(0, keep_B)
+                gen_BS = gen_BS.index_select(0, keep_B) if gen_BS is not None else None
         if step + 1 == steps:
             break
         prompt_lens = [r.prompt_len for r in live]
@@ -123,6 +132,11 @@ def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, o
         h_BD = model.hidden_states(token_B, decode_seq(pos_B, step_kv))
         step_kv.finish()
         logits_BV = F.linear(h_BD, head_W)
+        if switch is not None:
+            crossing = [i for i, r in enumerate(live) if r.prompt_len + step + 1 == switch]
+            if crossing:
+                logits_BV = _recompute(model, cache, prompts, live, crossing, gen_BS[:, : step + 1],
+                                       logits_BV, head_W)  # fmt: skip
         pos_B = pos_B + 1
     for r in rows:
         r.finish_reason = r.finish_reason or "length"
@@ -139,6 +153,28 @@ def _prefill(model, cache: KVCache, prompts, head_W, device) -> torch.Tensor:
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1
     return F.linear(h_TD.index_select(0, last_N), head_W)
+
+
+def _recompute(model, cache: KVCache, prompts, live, crossing, gen_BJ, logits_BV, head_W):
+    """Rows whose length just reached `rope_switch_length` (Phi-3 longrope past
+    original_max_position_embeddings): their whole sequence (prompt + J generated tokens)
+    again as a prefill into their cache rows, every position now under the new RoPE tables,
+    as transformers' generate does by dropping its cache there -> logits with those rows'
+    replaced. The decode step's result for them is discarded (one row-token of waste)."""
+    device = logits_BV.device
+    parts = []
+    for i in crossing:
+        parts += [torch.tensor(prompts[live[i].prompt_index]).to(device, non_blocking=True),
+                  gen_BJ[i]]  # fmt: skip
+    seq = SeqInfo.from_lengths([p.numel() + gen_BJ.shape[1] for p in parts[::2]], device)
+    step_kv = Prefill(cache, seq, crossing)
+    seq.kv = step_kv
+    h_TD = model.hidden_states(torch.cat(parts), seq)
+    step_kv.finish()
+    last_N = seq.cu_seqlens[1:].long() - 1
+    fresh_NV = F.linear(h_TD.index_select(0, last_N), head_W)
+    rows_N = torch.tensor(crossing).to(device, non_blocking=True)
+    return logits_BV.index_copy(0, rows_N, fresh_NV)
 
 
 def _check(live: list[Row], buf_BJ2: torch.Tensor, stop_ids, find_stop) -> list[int]:

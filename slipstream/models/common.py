@@ -186,6 +186,11 @@ class Backbone(nn.Module):
     (`cfg.rope`) serves every layer; a family with several overrides `rope_tables`.
     """
 
+    # The sequence length at which a sequence's RoPE tables change for every position
+    # (Phi-3 longrope: original_max_position_embeddings + 1), so generation recomputes the
+    # cached prefix there, as transformers does; None: positions never change tables.
+    rope_switch_length: int | None = None
+
     def __init__(
         self,
         cfg: ModelConfig,

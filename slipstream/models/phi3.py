@@ -9,10 +9,14 @@ What differs from the Llama decoder:
   frequencies 1 / (ext * theta^(2i/R)) with ext = `short_factor` for a sequence of at most
   `original_max_position_embeddings` tokens and `long_factor` beyond, cos/sin scaled by
   sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original (or `factor`).
-  transformers picks the set once per forward by the batch's largest position; here each
-  packed sequence gets the set its own length picks (what transformers gives it alone), so
-  packing never changes a sequence's result. The choice is made from the host lengths; a
-  batch with sequences on both sides blends per token on the device: no host sync.
+  transformers picks the set once per forward by the batch's largest position + 1; here each
+  packed sequence gets the set its own largest position + 1 picks (what transformers gives
+  it alone), so packing never changes a sequence's result. Without a KV cache that is the
+  sequence's length, read from the host; in generation (`seq.kv` set, decode positions
+  continue a cached prefix) it is read per token on the device. Either way a batch with
+  sequences on both sides blends per token on the device: no host sync. Generation that
+  grows a sequence past `original_max_position_embeddings` recomputes it in full with the
+  long set (`rope_switch_length`), as transformers' generate drops its cache there.
 - `sliding_window` (2047 on Phi-3-mini-4k) on every layer, as for Mistral.
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, R rotary dims, F mlp width.
@@ -156,6 +160,8 @@ class Phi3Backbone(Backbone):
         super().__init__(cfg, layers)
         self.phi3_rope = Phi3Rope.from_hf(cfg.hf)
         self.register_buffer("long_inv_freq", torch.empty_like(self.inv_freq), persistent=False)
+        if self.phi3_rope.long_factor is not None:
+            self.rope_switch_length = self.phi3_rope.original_max + 1
         self.reset_rope()
 
     def reset_rope(self) -> None:
@@ -166,21 +172,22 @@ class Phi3Backbone(Backbone):
             self.long_inv_freq.copy_(rope.inv_freq(rope.long_factor))
 
     def rope_tables(self, seq: SeqInfo, dtype: torch.dtype) -> list:
-        """(T, R) cos and sin for every layer; each sequence's factor set picked from its host
-        length."""
+        """(T, R) cos and sin for every layer; each sequence's factor set picked by its largest
+        position + 1 (module docstring)."""
         return [self.cos_sin(seq, dtype)] * len(self.layers)
 
     def cos_sin(self, seq: SeqInfo, dtype: torch.dtype):
-        longer = [n > self.phi3_rope.original_max for n in seq.lengths]
-        if self.phi3_rope.long_factor is None or not any(longer):
+        rope, original = self.phi3_rope, self.phi3_rope.original_max
+        # Without a cache, positions start at 0: the host lengths decide.
+        if rope.long_factor is None or (seq.kv is None and seq.max_seqlen <= original):
             return rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
         long = rope_cos_sin(seq.position_ids, self.long_inv_freq, self.rope_scale, dtype)
-        if all(longer):
+        if seq.kv is None and min(seq.lengths) > original:
             return long
         short = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
-        # Mixed batch: per token, from the device copies of the boundaries (no host sync).
-        lengths_N = seq.cu_seqlens[1:] - seq.cu_seqlens[:-1]
-        long_T1 = (lengths_N > self.phi3_rope.original_max).index_select(0, seq.seq_ids)[:, None]
+        # Per token, from device tensors (no host sync): each sequence's last position + 1.
+        last_N = seq.position_ids.index_select(0, seq.cu_seqlens[1:].long() - 1)
+        long_T1 = (last_N + 1 > original).index_select(0, seq.seq_ids)[:, None]
         return tuple(torch.where(long_T1, lo, sh) for lo, sh in zip(long, short, strict=True))
 
 
