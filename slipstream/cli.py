@@ -1,15 +1,5 @@
-"""The `slipstream` command: train, preview, config, demo, export, generate, chat, bench.
-
-    slipstream train CONFIG.yaml [key=value ...]   e.g. train.lr=1e-4 lora.rank=32
-    slipstream preview CONFIG.yaml [key=value ...] the data as the run will see it (no model)
-    slipstream config [SECTION]                    every config key: default, meaning
-    slipstream demo                                LoRA on SmolLM2-135M, no network
-    slipstream export RUN_OR_ADAPTER_DIR --out DIR [--base MODEL]
-    slipstream export RUN_OR_ADAPTER_DIR --gguf TYPE [--out FILE]   (or --gguf-adapter)
-    slipstream generate MODEL_OR_RUN_DIR "prompt" [--temperature T --top-p P --top-k K ...]
-    slipstream generate MODEL_OR_RUN_DIR --input prompts.jsonl --output out.jsonl
-    slipstream chat MODEL_OR_RUN_DIR                interactive, replies streamed
-    slipstream bench [NAME]
+"""The `slipstream` command: train, preview, config, demo, export, generate, chat, bench
+(`slipstream COMMAND --help` for each one's arguments; README.md for worked examples).
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
 (bad config, missing file, unwritable output dir, bad data). Our own bugs still print a
