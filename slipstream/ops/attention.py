@@ -68,7 +68,7 @@ def attend_packed(q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, sc
     if sinks is not None:
         return _eager_with_sinks(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
     if seq.total_tokens <= DENSE_MASK_MAX_TOKENS:
-        return _sdpa_dense(q_THD, k_TGD, v_TGD, seq, window, scale)
+        return sdpa_masked(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
     return _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale)
 
 
@@ -92,10 +92,6 @@ def dense_causal_mask(seq: SeqInfo, window: int | None = None) -> torch.Tensor:
         return torch.block_diag(*blocks).to(seq.device, non_blocking=True)
 
     return seq.cached(("dense_mask", window), build)
-
-
-def _sdpa_dense(q_THD, k_TGD, v_TGD, seq, window, scale):
-    return sdpa_masked(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
 
 
 def sdpa_masked(q_THD, k_TGD, v_TGD, mask_TT: torch.Tensor, scale: float | None = None):
