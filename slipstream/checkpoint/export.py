@@ -6,10 +6,8 @@ loads unchanged. What was done is written beside it in `export_summary.json`.
 
 The text model of a multimodal checkpoint (Gemma 3 4B+) exports as that multimodal model:
 save_model copies the vision tower, the projector and the image processor's files from the
-source checkpoint; the summary says how many tensors came from where.
-
-The export is written into a hidden folder beside `directory` and moved into place only when
-complete, so a failed export leaves nothing behind (nor a half-written model).
+source checkpoint; the summary says how many tensors came from where. A failed export leaves
+nothing behind: it is written into a hidden folder and moved into place when complete.
 """
 
 from __future__ import annotations

@@ -181,11 +181,7 @@ class _Saved:
 
 
 class OffloadPool:
-    """Host slots for offloaded layer inputs and the one or two device buffers they reload into.
-
-    Host slots are kept per layer index and reused every step; a slot is only allocated when
-    a layer has none free that is large enough (first step, or a longer batch).
-    """
+    """Host slots for offloaded layer inputs and the one or two device buffers they reload into."""
 
     def __init__(
         self,
@@ -287,9 +283,9 @@ class OffloadPool:
             self.copies = _CudaCopies(x_TD.device, self.timing) if cuda else _SyncCopies()
 
     def _take_slot(self, index: int, nbytes: int) -> torch.Tensor:
-        """A free host slot of layer `index` that holds `nbytes`, else a new one; free slots
-        too small for it are dropped then, so a layer never holds more slots than it has
-        inputs offloaded at once (each longer batch used to leave one more behind)."""
+        """A free host slot of layer `index` (reused every step) that holds `nbytes`, else a new
+        one; free slots too small for it are dropped then, so a layer never holds more slots
+        than it has inputs offloaded at once."""
         free = self.free_slots.setdefault(index, [])
         for i, slot in enumerate(free):
             if slot.numel() >= nbytes:

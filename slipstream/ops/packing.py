@@ -4,11 +4,8 @@ Layout: tokens of several sequences are concatenated into one flat `(T,)` stream
 padding (the varlen convention). `SeqInfo` holds the boundaries. Everything here is computed
 from a Python list of lengths on the host and reaches the device in one non-blocking copy, so
 no layer ever has to ask the device how long a sequence is (each such question is a host sync:
-one per layer is 28 stalls a step on a 28-layer model).
-
-Derived attention structures (dense masks for the CPU path, FlexAttention block masks) are
-cached on the `SeqInfo` under a key, so they are built at most once per forward and shared by
-every layer.
+one per layer is 28 stalls a step on a 28-layer model). Derived attention structures (masks)
+are cached on the `SeqInfo` (`cached`), so every layer shares them.
 
 Shapes: T = total tokens, N = number of sequences.
 """

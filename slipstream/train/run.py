@@ -1,12 +1,8 @@
 """A run before and after its loop: `prepare_run(cfg)` builds everything the loop needs (device
 and parallel mode, objective, data, model, optimizer and schedule, the resumed state) into
 one `Run`; `save(run, ...)` writes a checkpoint; `finish_run` evaluates, saves the result
-and writes the summary.
-
-Order of work: output dir checked and config written; seeds; data tokenized and packed
-(cheap errors such as a bad file or a missing chat template come before the weights load);
-model loaded, LoRA applied (or every weight trainable), activation checkpointing applied,
-wrapped for data parallelism; AdamW and the schedule; resume.
+and writes the summary. Cheap errors (a bad file, a missing chat template) come before the
+weights load.
 """
 
 from __future__ import annotations
