@@ -136,15 +136,13 @@ def _gpt_oss(config: dict, reader: Any) -> None:
     config["layer_types"] = [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)
     ]
-    theta = config.pop("rope_theta")
     kind = field(reader, p + "rope.scaling.type")
     if kind not in (None, "none", "yarn"):
         raise ValueError(f"GGUF gpt-oss with rope scaling {kind!r}: only yarn is supported.")
-    rope = {"rope_type": "default", "rope_theta": theta}
+    rope = {"rope_type": "default"}
     if kind == "yarn":
         rope = {
             "rope_type": "yarn",
-            "rope_theta": theta,
             "factor": decimal(field(reader, p + "rope.scaling.factor")),
             "original_max_position_embeddings": int(
                 field(reader, p + "rope.scaling.original_context_length")
@@ -156,7 +154,7 @@ def _gpt_oss(config: dict, reader: Any) -> None:
         attention = field(reader, p + "rope.scaling.yarn_attn_factor")
         if attention is not None:
             rope["attention_factor"] = decimal(attention)
-    config["rope_parameters"] = rope
+    config["rope_scaling"] = rope  # with rope_theta: transformers 4.x's keys, which 5.x converts
 
 
 def _phi3(config: dict, reader: Any) -> None:
