@@ -66,7 +66,7 @@ def noisy(values, seed, scale=0.3):
 def padded_reference(hf, samples, loss_type, *, eps=0.2, eps_high=0.28, beta=0.0, temp=1.0,
                      old_noise=None, ref_noise=None):  # fmt: skip
     """The formulas on TRL's padded (S, L) layout: per-token log-probs from each sequence run
-    alone, the clipped surrogate, k3 KL, and each loss type's normalisation."""
+    alone, the clipped surrogate, k3 KL weighted by the ratio, each loss type's normaliser."""
     S, L = len(samples), max(len(s.completion_ids) for s in samples)
     logps = torch.zeros(S, L)
     mask = torch.zeros(S, L)
@@ -84,7 +84,7 @@ def padded_reference(hf, samples, loss_type, *, eps=0.2, eps_high=0.28, beta=0.0
     ratio = torch.exp(logps - old)
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps_high) * adv)
     if beta:
-        per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
     if loss_type == "dapo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif loss_type == "grpo":

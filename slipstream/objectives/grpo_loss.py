@@ -10,7 +10,12 @@ An unscorable completion (NaN reward) gets advantage 0.
 
 Per completion token t (ratio rho_t = exp(logp_t - old_t), clipped to [1 - eps, 1 + eps_high]):
 
-    l_t = -min(rho_t * A, clip(rho_t) * A) + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
+    l_t = -min(rho_t * A, clip(rho_t) * A) + beta * rho_t * k3_t,
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+The KL estimate is importance-weighted by rho_t (TRL 1.16's default `use_bias_correction_kl`:
+the samples come from the old policy); on policy rho_t = 1 in value, but its gradient adds
+k3_t * grad(logp_t), as in TRL.
 
 Normalisation (TRL's names): dapo = sum over every completion token of the global step /
 that token count; grpo = each completion's token mean, then the mean over completions;
@@ -86,7 +91,7 @@ def token_losses(
     kl_N = None
     if beta != 0.0:
         delta_N = ref_N - logps_N
-        kl_N = torch.exp(delta_N) - delta_N - 1
+        kl_N = (torch.exp(delta_N) - delta_N - 1) * ratio_N
         loss_N = loss_N + beta * kl_N
     return loss_N, (low | high).float(), kl_N
 
