@@ -31,7 +31,7 @@ class FixedRewards:
 
     names, weights = ["a", "b"], [1.0, 0.5]
 
-    def __call__(self, prompts, completions, columns, rows):
+    def __call__(self, prompts, completions, columns, rows, **kwargs):
         return torch.tensor([[float(len(c)), math.nan] for c in completions])
 
 

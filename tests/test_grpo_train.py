@@ -1,4 +1,5 @@
-"""GRPO through the trainer on a tiny random Llama: a LoRA run with a trivial reward logs the
+"""GRPO through the trainer on a tiny random Llama: a LoRA run with trivial rewards (user
+functions loaded by path, tests/helpers/grpo_rewards.py) logs the
 rollout and loss metrics and saves an adapter; a run stopped by a signal and resumed gives
 the same losses and adapter as one uninterrupted run (rollouts are seeded per step); with
 mu = 2 each rollout serves two optimizer steps."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,26 +16,13 @@ from helpers.runs import make_tiny_run, train_until_signal
 from safetensors.torch import load_file
 
 from slipstream.config import config_from_dict
-from slipstream.objectives import grpo as grpo_mod
 from slipstream.train.loop import train
 
 QUESTIONS = ["sky", "grass", "sun", "snow", "coal", "car", "door", "cup"]
 
 
-class LengthRewards:
-    """Two reward functions: completion length / 10, and 1 when it has an 'e' (None for
-    prompts about the sun, to exercise NaN)."""
-
-    names, weights = ["length", "has_e"], [1.0, 0.5]
-
-    def __call__(self, prompts, completions, columns, rows):
-        assert len(columns["answer"]) == len(completions) == len(rows)
-        out = []
-        for p, c, a in zip(prompts, completions, columns["answer"], strict=True):
-            text = c[0]["content"] if isinstance(c, list) else c
-            assert isinstance(p, list) == isinstance(c, list) and a.startswith("answer")
-            out.append([len(text) / 10, math.nan if "sun" in str(p) else float("e" in text)])
-        return torch.tensor(out, dtype=torch.float32)
+REWARDS = str(Path(__file__).parent / "helpers" / "grpo_rewards.py")
+SPECS = [{"function": f"{REWARDS}:length"}, {"function": f"{REWARDS}:has_e", "weight": 0.5}]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +34,6 @@ def tiny(tmp_path_factory):
     rows = [{"prompt": p, "answer": f"answer {i}"} for i, p in enumerate(ask)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model_dir, data
-
-
-@pytest.fixture(autouse=True)
-def rewards(monkeypatch):
-    monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: LengthRewards())
 
 
 def grpo_config(tiny, out, **grpo):
@@ -65,7 +49,7 @@ def grpo_config(tiny, out, **grpo):
         },
         "grpo": {
             "num_generations": 4, "max_prompt_tokens": 48, "max_completion_tokens": 12,
-            "rewards": [{"function": "length"}], **grpo,
+            "rewards": SPECS, **grpo,
         },
         "output_dir": str(out),
     }  # fmt: skip
@@ -78,9 +62,7 @@ def lines(out):
 @pytest.fixture(scope="module")
 def straight(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo_mod, "build_rewards", lambda specs: LengthRewards())
-        summary = train(config_from_dict(grpo_config(tiny, out)))
+    summary = train(config_from_dict(grpo_config(tiny, out)))
     return out, summary
 
 
@@ -133,3 +115,32 @@ def test_mu_two_reuses_each_rollout_for_two_steps(tiny, tmp_path):
     assert all("kl" in r for r in steps)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the start
     assert steps[1]["kl"] > 0 and steps[1]["clip_ratio/region_mean"] >= 0
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(tiny, tmp_path):
+    """2 gloo ranks with grad_accum 1 each against one process with grad_accum 2: each prompt
+    batch samples with the seed of its place in the global window, so the completions, the
+    rewards, the step's normaliser and the update are the same."""
+    from test_distributed import check, torchrun
+
+    out = tmp_path / "single"
+    raw = grpo_config(tiny, out)
+    raw["lora"]["dropout"] = 0.0  # each rank draws its own dropout masks
+    train(config_from_dict(raw))
+    raw = {**raw, "output_dir": str(tmp_path / "ddp")}
+    raw["train"] = {**raw["train"], "grad_accum": 1, "parallel": "ddp", "dist_timeout_s": 60}
+    check(torchrun(raw, tmp_path, timeout=240))
+    want = {r["step"]: r for r in lines(out) if "loss" in r}
+    got = {r["step"]: r for r in lines(tmp_path / "ddp") if "loss" in r}
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in got:
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4)
+    a, b = (
+        load_file(out / "adapter_model.safetensors"),
+        load_file(tmp_path / "ddp" / "adapter_model.safetensors"),
+    )
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4)

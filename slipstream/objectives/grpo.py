@@ -4,8 +4,9 @@ of the shared trainer (docs/grpo.md; the formulas in grpo_loss.py; data in grpo_
 One optimizer step: the loop collates the step's prompt batches and hands them to
 `rollout(run, step, window)`, which
 1. generates G completions per prompt (`generation.engine`, LoRA unmerged, eval mode, no
-   grad; sampling seeded from (train.seed, rollout index, rank), so a resumed run draws the
-   same completions),
+   grad), one prompt batch at a time, sampling seeded from (train.seed, rollout index, the
+   batch's place in the step's global window): a resumed run, and the same step on any
+   number of ranks, draw the same completions,
 2. scores them with the reward functions (host) and turns rewards into group-normalised
    advantages (a group is one prompt's G completions, always on one rank),
 3. packs the prompt+completion sequences by their real length into micro-batches within
@@ -120,6 +121,12 @@ class GRPO:
 
             columns = list(json.loads(rows[0]["_json"]))
         check_prompt_column(columns)
+        missing = sorted(set(getattr(self.rewards, "columns_needed", ())) - set(columns))
+        if missing:
+            raise ValueError(
+                f"grpo.rewards read the column(s) {', '.join(missing)}, which the data lacks "
+                f"(columns: {sorted(columns)})"
+            )
         return tokenize_prompts(rows, tokenizer, max_prompt_tokens=self.options.max_prompt_tokens,
                                 first_row=first_row, **self.data_options)  # fmt: skip
 
@@ -139,16 +146,20 @@ class GRPO:
         index = (step - 1) // self.mu
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1], {}
+        world, rank = dist.world_size(), dist.rank()
+        seeds = [self.rollout_seed(index, rank + world * k) for k in range(len(window))]
         batches, stats = self.generate_batches(run.model, run.tokenizer, window, run.device,
-                                               seed=self.rollout_seed(index))  # fmt: skip
+                                               seeds=seeds)  # fmt: skip
         self._cached = (index, batches)
         return batches, stats
 
-    def rollout_seed(self, index: int) -> int:
-        return ((self.seed * 1_000_003 + index) * 65_537 + dist.rank()) % (1 << 62)
+    def rollout_seed(self, index: int, position: int) -> int:
+        """The sampling seed of prompt batch `position` of the step's global window in
+        rollout `index`: the same completions on any number of ranks."""
+        return ((self.seed * 1_000_003 + index) * 65_537 + position) % (1 << 62)
 
-    def generate_batches(self, model, tokenizer, window, device, *, seed: int):
-        """Generate, score, pack (module docstring, steps 1-3)."""
+    def generate_batches(self, model, tokenizer, window, device, *, seeds: list[int]):
+        """Generate (each prompt batch with its seed), score, pack (module docstring)."""
         from slipstream.generation import engine
         from slipstream.generation.api import stop_token_ids
         from slipstream.generation.sampling import Sampling
@@ -156,13 +167,15 @@ class GRPO:
         g, G = self.options, self.G
         examples = [ex for b in window for ex in b.examples]
         start = time.perf_counter()
-        rows = engine.run(
-            model, [ex.prompt_ids for ex in examples], samples_per_prompt=G,
-            max_new_tokens=g.max_completion_tokens, sampling=Sampling(g.temperature, g.top_p),
-            stop_ids=stop_token_ids(tokenizer), logprobs=False,
-            max_positions=model.config.hf.get("max_position_embeddings"),
-            generator=torch.Generator(device).manual_seed(seed),
-        )  # fmt: skip
+        rows = []
+        for b, seed in zip(window, seeds, strict=True):
+            rows += engine.run(
+                model, [ex.prompt_ids for ex in b.examples], samples_per_prompt=G,
+                max_new_tokens=g.max_completion_tokens, logprobs=False,
+                sampling=Sampling(g.temperature, g.top_p), stop_ids=stop_token_ids(tokenizer),
+                max_positions=model.config.hf.get("max_position_embeddings"),
+                generator=torch.Generator(device).manual_seed(seed),
+            )  # fmt: skip
         gen_s = time.perf_counter() - start
         completions = [r.token_ids for r in rows]
         rewards_SF = self.score(tokenizer, examples, completions)
@@ -195,7 +208,7 @@ class GRPO:
         keys = {k for ex in examples for k in ex.columns}
         columns = {k: [examples[i // G].columns.get(k) for i in range(len(texts))] for k in keys}
         rows = [examples[i // G].row for i in range(len(texts))]
-        return self.rewards(prompts, shown, columns, rows)
+        return self.rewards(prompts, shown, columns, rows, completion_ids=list(completions))
 
     def pack(self, samples: list[Sample], window: list[PromptBatch], device) -> list:
         G, n = self.G, 0
