@@ -14,6 +14,10 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
   buffer, offload off (recompute), MoE one-pass off (per-expert loop), regional compile;
 - generation: `slipstream.generate` on the Qwen3-8B shape with the LoRA adapter unmerged,
   64 prompts x 256 new tokens, generated tokens/s and host syncs per call;
+- GRPO (Qwen3-0.6B shape): one rollout (16 prompts of 64..192 tokens x G=8, up to 256
+  sampled tokens each, random rewards) then one optimizer step on its packed sequences
+  (offload on); generation and training seconds, tokens/s of each, syncs of the training
+  part, peak memory;
 - transformers + PEFT on the same shapes and LoRA settings, gradient checkpointing, the best
   attention the image has (flash_attention_2 if `flash_attn` imports, else flex_attention on
   CUDA, else sdpa), packed via position_ids when a runtime check shows that gives
@@ -89,6 +93,12 @@ def variants(has_moe_family: bool) -> list[Variant]:
         Variant("generation: 64 prompts x 256 new tokens", "qwen3-8b", impl="generate", need_s=60),
         Variant("ours, everything on", "qwen3-0.6b", need_s=20),
         Variant("transformers + PEFT", "qwen3-0.6b", impl="hf", need_s=25),
+        Variant(
+            "GRPO step: 16 prompts x 8 completions x 256 tokens",
+            "qwen3-0.6b",
+            impl="grpo",
+            need_s=60,
+        ),
         Variant("metadata cache off (per-layer rebuild)", "qwen3-8b", metadata_cache=False),
         Variant("offload single buffer", "qwen3-8b", double_buffer=False),
         Variant("regional compile + everything on", "qwen3-8b", compile=True, need_s=120),
@@ -239,6 +249,85 @@ def generate_row(v: Variant, setup: Setup) -> dict:
     return row
 
 
+class _NoTextTokenizer:
+    """What a rollout asks of a tokenizer, for a random model: no stop tokens, no text."""
+
+    eos_token_id = pad_token_id = None
+
+    def get_vocab(self) -> dict:
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+class _RandomRewards:
+    names, weights = ["random"], [1.0]
+
+    def __call__(self, prompts, completions, columns, rows, **kwargs):
+        return torch.rand(len(completions), 1, generator=torch.Generator().manual_seed(0))
+
+
+def grpo_row(v: Variant, setup: Setup) -> dict:
+    """One GRPO step as the trainer runs it (objectives/grpo.py): rollout, then the
+    accumulation over its packed micro-batches, clip, AdamW. Random weights emit no stop
+    token, so every completion runs to the limit (the longest rollout)."""
+    from slipstream.objectives.grpo import GRPO
+    from slipstream.objectives.grpo_data import PromptBatch, PromptExample
+    from slipstream.train.loop import accumulate_gradients
+    from slipstream.train.optim import build_optimizer
+
+    model = OursCache.get(v, setup).train()
+    checkpointing = common.optional("slipstream.memory.offload", "apply_checkpointing")
+    if checkpointing is not None:
+        checkpointing(model, "offload", force=setup.dry)
+    n, lo, hi, G, new = (2, 4, 8, 2, 4) if setup.dry else (16, 64, 192, 8, 256)
+    budget = 4 * G * (hi + new)  # 4 prompts a micro-batch
+    objective = GRPO(rewards=_RandomRewards(), num_generations=G, max_prompt_tokens=hi,
+                     max_completion_tokens=new)  # fmt: skip
+    objective.budget = budget
+    g = torch.Generator().manual_seed(0)
+    vocab = setup.shapes[v.model]["vocab_size"]
+    examples = [PromptExample(torch.randint(0, vocab, (int(k),), generator=g).tolist(), "", {}, i)
+                for i, k in enumerate(torch.linspace(lo, hi, n).round())]  # fmt: skip
+    window = [PromptBatch(examples[i : i + 4]) for i in range(0, n, 4)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(
+        model.named_parameters(), lr=1e-6, weight_decay=0.0, device=torch.device("cuda")
+    )
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    batches, stats = objective.generate_batches(
+        model, _NoTextTokenizer(), window, setup.device, seeds=list(range(len(window)))
+    )
+    gen_s = time.perf_counter() - t0  # the rollout read its tokens back: synced
+
+    def step():
+        weight = sum(objective.weight(b) for b in batches)
+        accumulate_gradients(model, batches, objective, weight)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    syncs, cuda_warnings, where = audit_syncs(step)
+    train_s = common.time_per_call(step, reps=setup.reps, warmup=0, device=setup.device)
+    trained = sum(b.num_tokens for b in batches)
+    generated = sum(b.completion_tokens for b in batches)
+    row = {"train s": train_s, "generate s": gen_s, "train tokens/s": trained / train_s,
+           "gen tokens/s": generated / gen_s, "tokens/s": trained / (train_s + gen_s),
+           "gen share %": 100 * gen_s / (gen_s + train_s), "syncs/step": syncs,
+           "cuda sync warnings": cuda_warnings, "sync sites": where,
+           "micro-batches": len(batches),
+           "packing": f"{n} prompts x G={G}, <= {new} new tokens, {len(batches)} micro-batches",
+           "attention": attention_backend(setup.device, setup.shapes[v.model]),
+           "notes": f"syncs/step: the training part; rollout {stats['seconds']:.1f} s"}  # fmt: skip
+    if setup.device.type == "cuda":
+        row["peak GB"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
 # ----------------------------------------------------------------------------- transformers
 
 
@@ -355,7 +444,8 @@ def run_row(v: Variant, setup: Setup) -> dict:
     signal.setitimer(signal.ITIMER_REAL, max(left, 1.0))
     t0 = time.monotonic()
     try:
-        row.update({"hf": hf_row, "generate": generate_row}.get(v.impl, ours_row)(v, setup))
+        rows = {"hf": hf_row, "generate": generate_row, "grpo": grpo_row}
+        row.update(rows.get(v.impl, ours_row)(v, setup))
         row["status"] = "ok"
     except Exception as e:  # one failing row must not stop the suite
         row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -387,7 +477,7 @@ def add_ratios(rows: list[dict]) -> None:
     base = {r["model"]: r["tokens/s"] for r in rows
             if r["variant"] == "ours, everything on" and r.get("tokens/s")}  # fmt: skip
     for r in rows:
-        if r.get("tokens/s") and r["model"] in base and r["impl"] != "generate":
+        if r.get("tokens/s") and r["model"] in base and r["impl"] not in ("generate", "grpo"):
             r["vs ours"] = r["tokens/s"] / base[r["model"]]
 
 
