@@ -25,6 +25,11 @@ def test_rows_are_seeded_and_right():
         assert row["answer"] == str({"+": int(a) + int(b), "-": int(a) - int(b),
                                      "*": int(a) * int(b)}[op])  # fmt: skip
     assert {QUESTION.match(r["prompt"][0]["content"]).group(2) for r in rows} == {"+", "-", "*"}
+    with_system = arithmetic_rows(50, seed=3, low=2, high=30, ops="+-*", system="Be brief.")
+    assert [r["prompt"][0] for r in with_system] == [
+        {"role": "system", "content": "Be brief."}
+    ] * 50
+    assert [r["prompt"][1:] for r in with_system] == [r["prompt"] for r in rows]
 
 
 def test_write_train_and_eval_disjoint(tmp_path):

@@ -173,3 +173,25 @@ def test_loss_plot_has_whole_step_ticks_and_eval_markers(tmp_path, monkeypatch):
     train_line, eval_line = ax.get_lines()
     assert eval_line.get_marker() == "o" and eval_line.get_linestyle() == "None"
     assert list(eval_line.get_xdata()) == [0, 3] and train_line.get_linestyle() == "-"
+
+
+def test_reward_plot_draws_total_running_mean_and_each_function(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from slipstream.train.metrics import plot_rewards
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 0.1, "reward": r, "rewards/accuracy/mean": r / 2,
+             "rewards/format/mean": r} for s, r in ((1, 0.0), (2, 1.0), (3, 2.0))]  # fmt: skip
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert plot_rewards(metrics, tmp_path / "reward.png", window=2).is_file()
+    (ax,) = figures[0].axes
+    total, running, accuracy, fmt = ax.get_lines()
+    assert list(running.get_ydata()) == [0.0, 0.5, 1.5]  # running mean over 2 logged steps
+    assert list(accuracy.get_ydata()) == [0.0, 0.5, 1.0] and list(fmt.get_ydata()) == [0, 1, 2]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][2:] == ["accuracy", "format"]
+    no_rewards = tmp_path / "sft.jsonl"
+    no_rewards.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert plot_rewards(no_rewards, tmp_path / "none.png") is None  # SFT runs draw no reward plot

@@ -24,9 +24,11 @@ QUESTION = (
 
 
 def arithmetic_rows(num_rows: int, *, seed: int = 0, skip: int = 0, low: int = 1, high: int = 9,
-                    ops: str = "+", question: str = QUESTION) -> list[dict]:  # fmt: skip
+                    ops: str = "+", question: str = QUESTION,
+                    system: str | None = None) -> list[dict]:  # fmt: skip
     """`num_rows` distinct questions `a op b` (a, b in [low, high], op from `ops`), seeded;
-    `question` is the prompt's text with {a}, {op} and {b}."""
+    `question` is the prompt's text with {a}, {op} and {b}; `system` a system message (None:
+    the chat template's default)."""
     if low > high:
         raise ValueError(f"arithmetic_rows: low = {low} > high = {high}; give low <= high")
     if not ops or any(op not in OPERATIONS for op in ops):
@@ -39,9 +41,10 @@ def arithmetic_rows(num_rows: int, *, seed: int = 0, skip: int = 0, low: int = 1
             f"[{low}, {high}] with ops {ops!r} give only {len(triples)} distinct questions"
         )
     random.Random(seed).shuffle(triples)
+    head = [] if system is None else [{"role": "system", "content": system}]
     return [
         {
-            "prompt": [{"role": "user", "content": question.format(a=a, op=op, b=b)}],
+            "prompt": [*head, {"role": "user", "content": question.format(a=a, op=op, b=b)}],
             "answer": str(OPERATIONS[op](a, b)),
         }
         for a, op, b in triples[skip : skip + num_rows]

@@ -3,8 +3,8 @@
 `metrics.jsonl` in the output dir gets one line per logged step (`loss`, `lr`, `grad_norm`,
 `tokens`, `tokens_per_s`, `peak_mem_gb`, and `mfu` on a GPU whose peak is known) and one
 line per evaluation (`eval_loss`, `eval_ppl`); the same numbers go to TensorBoard and W&B as
-`train.report_to` says (train/report_to.py). The loss-curve PNG is drawn when matplotlib is
-installed.
+`train.report_to` says (train/report_to.py). The loss-curve PNG (and for GRPO the
+reward-curve PNG) is drawn when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -156,6 +156,45 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    atomic_write(out_png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    plt.close(fig)
+    return out_png
+
+
+def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | None:
+    """GRPO: the mean reward of each logged step (and its running mean over `window` logged
+    steps) and each reward function's mean, against step; None without matplotlib or
+    rewards."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return None
+    records = [r for r in read_metrics(metrics_path) if "reward" in r]
+    if not records:
+        return None
+    steps = [r["step"] for r in records]
+    total = [r["reward"] for r in records]
+    running = [sum(total[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+               for i in range(len(total))]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, total, color="C0", alpha=0.35, label="reward (weighted total)")
+    ax.plot(steps, running, color="C0", lw=2, label=f"reward, running mean of {window}")
+    names = sorted({k[len("rewards/") : -len("/mean")] for r in records for k in r
+                    if k.startswith("rewards/") and k.endswith("/mean")})  # fmt: skip
+    for i, name in enumerate(names, start=1):
+        key = f"rewards/{name}/mean"
+        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), color=f"C{i}",
+                lw=1, ls="--", label=name)  # fmt: skip
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the step's completions")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -21,7 +21,13 @@ from slipstream.config import RunConfig, check_output_dir
 from slipstream.objectives import build_objective
 from slipstream.sources import check_adapter_dir
 from slipstream.train.meter import StepMeter
-from slipstream.train.metrics import peak_memory_gb, perplexity, plot_losses, write_json
+from slipstream.train.metrics import (
+    peak_memory_gb,
+    perplexity,
+    plot_losses,
+    plot_rewards,
+    write_json,
+)
 from slipstream.train.nonfinite import NonFiniteGuard
 from slipstream.train.optim import build_optimizer, build_schedule
 from slipstream.train.report_to import resolve_report_to
@@ -182,6 +188,8 @@ def finish_run(
         if dist.is_main():
             save_result(result, run.tokenizer, out, cfg)
     plot = plot_losses(meter.log.path, out / "loss.png") if dist.is_main() else None
+    if dist.is_main():
+        plot_rewards(meter.log.path, out / "reward.png")  # GRPO; None (nothing) otherwise
     before = run.eval_before
     summary = {
         "status": status,
