@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.checkpoint.gguf_export import GGUF_TYPES, export_gguf
-from slipstream.checkpoint.hf import load_model
+from slipstream.checkpoint.hf import load_model, load_tokenizer
 from slipstream.ops.packing import SeqInfo
 from tests.helpers import gguf_tokenizer
 from tests.helpers.gguf_tokenizer import VOCAB
@@ -306,6 +306,10 @@ def test_our_import_alone_matches_the_source(tmp_path, tokenizer, kind):
             got = back(ids[:n], SeqInfo.from_lengths([n]))
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
     assert replace(back.config, hf={}) == replace(ours.config, hf={})
+    # The tokenizer comes back too (gpt-oss: not through AutoTokenizer, which parses the config).
+    tok = load_tokenizer(str(path))
+    assert tok(PROMPT)["input_ids"] == ids.tolist()
+    assert tok.chat_template == tokenizer.chat_template
     if kind == "gpt_oss":
         from slipstream.models.gpt_oss import layer_windows
 

@@ -175,9 +175,17 @@ def to_hf(
 
 def gguf_tokenizer(path: str | Path) -> Any:
     """The transformers tokenizer (with the chat template) stored in a GGUF file."""
-    from transformers import AutoTokenizer
+    import transformers
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist.")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    folder, name = str(path.parent), path.name
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception:
+        # AutoTokenizer parses the model config to pick a class, and transformers' parser
+        # crashes on gpt-oss's RoPE keys (numpy 2); gpt-oss's class is the generic one.
+        if field(_open(path), "general.architecture") != "gpt-oss":
+            raise
+    return transformers.PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)

@@ -72,7 +72,9 @@ def load_tokenizer(path: str, what: str = "model.path") -> Any:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"{what}: GGUF file not found: {p}")
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        from slipstream.checkpoint.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(p)
     if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
         raise ValueError(f"{what}: no tokenizer files (tokenizer.json ...) in '{p}'")
     try:
