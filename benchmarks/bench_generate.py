@@ -2,14 +2,19 @@
 
 Run: `python benchmarks/bench_generate.py` (under 2 minutes on 2 cores) or `--quick`.
 The same random SmolLM2-135M-shaped Llama (vocab 49152, hidden 576, MLP 1536, 9 / 3 heads,
-tied head; `--layers` of its 30 so a run fits the budget) in float32, loaded into both;
-greedy, 128 new tokens, no stop token (every row runs to its length, the same work for
-both). Batch 1 (one 64-token prompt) and batch 16 (prompts of 16..128 tokens).
+tied head; by default 4 of its 30 layers so a run fits 2 minutes, `--layers 30` for the
+real depth) in float32, loaded into both; greedy (or `--sampling`: temperature 0.7, top_p 0.9
+on both sides), 128 new tokens, no stop token (every row runs to its length, the same work
+for both). Batch 1 (one 64-token prompt) and batch 16 (prompts of 16..128 tokens).
 - transformers: `generate` with its default cache (DynamicCache) and SDPA attention; the
   batch is left-padded with an attention mask;
 - ours: packed prefill (no padding), batched decode over the KV cache, one host sync every
   8 tokens.
 Outputs are compared token for token (greedy on the same weights: they must agree).
+Timing: a short warm-up (4 tokens) each, then `--reps` runs alternating ours and theirs;
+tokens/s from the best run, by wall clock and by the process's CPU time. On a shared machine
+the wall clock mostly measures waiting for a core; CPU time (one torch thread) does not, so
+the CPU-time ratio is the steadier one. The load average is printed with the table.
 
 Prediction: at batch 1 the per-token cost is the model (~45 M multiply-adds a token at 6
 layers, with the 28 M-entry head) plus per-step Python on both sides; transformers' per-step
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -36,7 +42,9 @@ SMOLLM2_135M = dict(
     eos_token_id=None, bos_token_id=None, pad_token_id=None,
 )  # fmt: skip
 COLUMNS = ["batch", "prompt tokens", "new tokens", "transformers tok/s", "ours tok/s",
-           "speedup", "goal", "same tokens"]  # fmt: skip
+           "speedup", "transformers tok/s (CPU time)", "ours tok/s (CPU time)",
+           "speedup (CPU time)", "goal", "same tokens"]  # fmt: skip
+SAMPLING = dict(temperature=0.7, top_p=0.9)  # --sampling: a typical setting, top_k off
 
 
 # --tiny: the same prompts and loop on a model whose matmuls cost next to nothing, so the
@@ -53,33 +61,40 @@ def prompts_for(batch: int, vocab: int = 49152, seed: int = 0) -> list[list[int]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_generate(hf, prompts: list[list[int]], new: int) -> list[list[int]]:
+def hf_generate(hf, prompts: list[list[int]], new: int, sampling: bool = False) -> list[list[int]]:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    how = dict(do_sample=True, top_k=0, **SAMPLING) if sampling else dict(do_sample=False)
     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                      min_new_tokens=new, do_sample=False, pad_token_id=0)  # fmt: skip
+                      min_new_tokens=new, pad_token_id=0, **how)  # fmt: skip
     return out[:, width:].tolist()
 
 
-def ours_generate(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+def ours_generate(model, prompts: list[list[int]], new: int, sampling: bool = False):
     import slipstream
 
-    return [c.token_ids for c in slipstream.generate(model, prompts, max_new_tokens=new)]
+    how = dict(SAMPLING, seed=0) if sampling else {}
+    return [c.token_ids for c in slipstream.generate(model, prompts, max_new_tokens=new, **how)]
 
 
-def measure(hf, ours, batch: int, new: int, reps: int) -> dict:
+def measure(hf, ours, batch: int, new: int, reps: int, sampling: bool = False) -> dict:
     prompts = prompts_for(batch, hf.config.vocab_size)
-    runs = {"transformers": lambda: hf_generate(hf, prompts, new),
-            "ours": lambda: ours_generate(ours, prompts, new)}  # fmt: skip
-    outputs = {name: fn() for name, fn in runs.items()}  # also the warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    runs = {"transformers": lambda n: hf_generate(hf, prompts, n, sampling),
+            "ours": lambda n: ours_generate(ours, prompts, n, sampling)}  # fmt: skip
+    for fn in runs.values():
+        fn(4)  # warm-up
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    outputs = {}
     for _ in range(reps):  # alternating, so load drift hits both alike
         for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    tok_s = {name: batch * new / min(t) for name, t in times.items()}
+            t0, c0 = time.perf_counter(), time.process_time()
+            outputs[name] = fn(new)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    tok_s = {name: batch * new / min(t) for name, t in wall.items()}
+    cpu_tok_s = {name: batch * new / min(t) for name, t in cpu.items()}
     same = sum(a == b for a, b in zip(outputs["transformers"], outputs["ours"], strict=True))
     return {
         "batch": batch,
@@ -88,8 +103,12 @@ def measure(hf, ours, batch: int, new: int, reps: int) -> dict:
         "transformers tok/s": tok_s["transformers"],
         "ours tok/s": tok_s["ours"],
         "speedup": tok_s["ours"] / tok_s["transformers"],
+        "transformers tok/s (CPU time)": cpu_tok_s["transformers"],
+        "ours tok/s (CPU time)": cpu_tok_s["ours"],
+        "speedup (CPU time)": cpu_tok_s["ours"] / cpu_tok_s["transformers"],
         "goal": 1.0 if batch == 1 else 1.5,
-        "same tokens": f"{same}/{batch}",
+        # sampling: each side draws with its own generator, so tokens are not compared
+        "same tokens": "-" if sampling else f"{same}/{batch}",
     }
 
 
@@ -116,6 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 layers, 16 new tokens, 1 rep")
     ap.add_argument("--tiny", action="store_true", help="hidden 64, vocab 256: overhead only")
+    ap.add_argument("--sampling", action="store_true", help="temperature 0.7, top_p 0.9")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -123,14 +143,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)  # the machine's cores are shared: one thread is stable
     hf, ours = build(args.layers, args.tiny)
     with torch.no_grad():
-        rows = [measure(hf, ours, b, args.new, args.reps) for b in (1, 16)]
+        rows = [measure(hf, ours, b, args.new, args.reps, args.sampling) for b in (1, 16)]
     command = "python benchmarks/bench_generate.py " + " ".join(argv or sys.argv[1:])
     if args.json:
         print(json.dumps(rows))
     else:
         shape = "tiny (hidden 64, vocab 256)" if args.tiny else "SmolLM2-135M"
-        print(f"greedy generation, {shape} shape at {args.layers} layers, float32")
-        print(common.header(common.run_info(), command.strip()))
+        how = "sampling (temperature 0.7, top_p 0.9)" if args.sampling else "greedy"
+        print(f"{how} generation, {shape} shape at {args.layers} layers, float32")
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(common.header(common.run_info(), command.strip()), f"· load average {load}")
         print(common.markdown_table(rows, COLUMNS))
     return rows
 
