@@ -240,6 +240,8 @@ def test_bf16_roundtrip_through_our_import(tmp_path, tokenizer):
         ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=256), "query_pre_attn_scalar"),
         ("gpt_oss", dict(swiglu_limit=1.0), "swiglu_limit"),
         ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob"),
+        ("gpt_oss", dict(swiglu_limit=7.0, layer_types=["full_attention"] * 2), "layer_types"),
+        ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     ],
 )
 def test_what_llama_cpp_would_compute_differently_is_refused(

@@ -77,6 +77,7 @@ def check_supported(cfg: Any) -> None:
                 "llama.cpp scales queries by 1/sqrt(head_dim) (27B excepted), so it would "
                 "compute another model."
             )
+    _check_layer_types(cfg, hf)
     if kind == "gpt_oss":
         limit = hf.get("swiglu_limit", 7.0)
         if float(limit) != 7.0:
@@ -97,6 +98,25 @@ def check_supported(cfg: Any) -> None:
                 "GGUF export: qwen3_moe with norm_topk_prob=false: llama.cpp's qwen3moe "
                 "always renormalises the top-k router weights."
             )
+
+
+# llama.cpp fixes which layers are full attention: every n-th, counting from 1.
+FULL_EVERY = {"gemma3": 6, "gemma3_text": 6, "gpt_oss": 2}
+
+
+def _check_layer_types(cfg: Any, hf: dict) -> None:
+    n = FULL_EVERY.get(cfg.model_type)
+    if n is None:
+        return
+    L = cfg.num_hidden_layers
+    fixed = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(L)]
+    types = list(getattr(cfg, "layer_types", None) or hf.get("layer_types") or fixed)
+    if types != fixed:
+        raise ValueError(
+            f"GGUF export: {cfg.model_type} with layer_types {types}: llama.cpp makes every "
+            f"{n}th layer full attention and the others sliding, so it would compute another "
+            "model."
+        )
 
 
 def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
