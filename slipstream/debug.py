@@ -266,29 +266,13 @@ def _wrap_method(functions: _FunctionCounter, method, fn):
 
 
 @contextlib.contextmanager
-def _patched(replacements: list[tuple[object, str, object]]) -> Iterator[None]:
-    """Set each `owner.attr = value` for the block, then put back exactly what was there (an
-    attribute the owner only inherited is deleted again)."""
-    missing = object()
-    before = [(owner, attr, vars(owner).get(attr, missing)) for owner, attr, _ in replacements]
-    for owner, attr, value in replacements:
-        setattr(owner, attr, value)
-    try:
-        yield
-    finally:
-        for owner, attr, old in reversed(before):
-            if old is missing:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, old)
-
-
-@contextlib.contextmanager
 def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
     """Count host-sync ops run inside the block, forward and backward, on any device.
 
     `with count_syncs() as c: loss.backward()` then `c.total`, `c.by_op`, `print(c)`.
     """
+    from unittest import mock  # (imports asyncio: only when a block is counted)
+
     counts = SyncCounts()
     functions = _FunctionCounter(counts, cpu_copies)
     # Explicit synchronize calls are plain Python functions: wrap them for the block.
@@ -307,8 +291,11 @@ def count_syncs(cpu_copies: bool = False) -> Iterator[SyncCounts]:
         (torch.Tensor, attr, _wrap_method(functions, method, getattr(torch.Tensor, attr)))
         for attr, method in _WRAPPED_METHODS.items()
     ]
-    with _patched(replacements), _DispatchCounter(counts, functions), functions:
-        yield counts
+    with contextlib.ExitStack() as patched:
+        for owner, attr, value in replacements:  # put back as found (inherited: deleted again)
+            patched.enter_context(mock.patch.object(owner, attr, value))
+        with _DispatchCounter(counts, functions), functions:
+            yield counts
 
 
 @contextlib.contextmanager
