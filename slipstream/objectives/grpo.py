@@ -17,7 +17,9 @@ The loop then runs its usual accumulation over those micro-batches: `micro_batch
 the clipped surrogate over completion tokens, log-probs through the chunked LM head, no host
 sync. `iterations_per_batch` = mu: one rollout serves mu consecutive optimizer steps (its
 prompts drawn once); mu = 1 takes the old log-probs as the detached current ones (ratio 1,
-as TRL). A prompt example's packed length is G * (prompt + max_completion_tokens), so a
+as TRL). A run resumed in the middle of a rollout's mu steps rolls that window out
+again with the resumed weights (exact resume needs save_every a multiple of mu). A prompt
+example's packed length is G * (prompt + max_completion_tokens), so a
 prompt batch's completions always fit one micro-batch.
 
 Rollout statistics (rewards, lengths, generation time) are gathered over ranks once per
@@ -150,7 +152,8 @@ class GRPO:
         seeds = [self.rollout_seed(index, rank + world * k) for k in range(len(window))]
         batches, stats = self.generate_batches(run.model, run.tokenizer, window, run.device,
                                                seeds=seeds)  # fmt: skip
-        self._cached = (index, batches)
+        if self.mu > 1:  # kept for the rollout's next mu - 1 steps only
+            self._cached = (index, batches)
         return batches, stats
 
     def rollout_seed(self, index: int, position: int) -> int:
