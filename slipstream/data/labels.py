@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,14 +64,6 @@ class DataReport:
         return line + f"; truncated {self.truncated}; dropped {self.dropped} over the length limit"
 
 
-def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -93,9 +85,9 @@ def encode_chat(tokenizer: Any, messages: list[dict], train_on: str) -> Example:
         return Example(ids, [True] * len(ids))
     trainable = [False] * len(ids)
     for k in range(len(turns)):
-        prefix, upto = encoded[1 + 2 * k], encoded[2 + 2 * k]
-        start = _longest_common_prefix(ids, prefix)
-        end = _longest_common_prefix(ids, upto)
+        prefix, upto = list(encoded[1 + 2 * k]), list(encoded[2 + 2 * k])
+        start = len(os.path.commonprefix([ids, prefix]))  # longest common prefix, of lists too
+        end = len(os.path.commonprefix([ids, upto]))
         if end < len(upto):
             end = _turn_end_in_full(tokenizer, ids, upto, start, end)
         end = _strip_trailing_whitespace(tokenizer, ids, start, end)

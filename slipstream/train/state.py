@@ -170,11 +170,8 @@ def check_plain(obj: Any, where: str = "state") -> None:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_manifest(folder: Path, step: int) -> None:
