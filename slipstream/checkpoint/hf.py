@@ -39,11 +39,6 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on CPU (no native bf16 on most CPUs); bf16 on accelerators."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +95,8 @@ def load_model(
     load in their 4-bit form whatever `quantize` says.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    dtype = dtype or default_dtype(device)
+    # float32 on CPU (no native bf16 on most CPUs); bf16 on accelerators.
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     source = str(path_or_repo_id)
     path = Path(resolve_model(source, "load_model"))  # a built-in name becomes its file
     if path.suffix == ".gguf":

@@ -57,12 +57,6 @@ class _RngState:
             yield
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
-    if not torch.is_autocast_enabled(device_type):
-        return device_type, False, None
-    return device_type, True, torch.get_autocast_dtype(device_type)
-
-
 @dataclass
 class _Plan:
     """How one wrapped layer runs: its mode, position and the pool it offloads into."""
@@ -88,7 +82,8 @@ class _OffloadedLayer(torch.autograd.Function):
         plan: _Plan = layer._slipstream_plan
         ctx.layer, ctx.seq, ctx.cos_sin = layer, seq, cos_sin
         ctx.rng = _RngState(x_TD.device) if plan.preserve_rng_state else None
-        ctx.autocast = _autocast_state(x_TD.device.type)
+        dt = x_TD.device.type  # autocast as in forward, for the recompute
+        ctx.autocast = (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
         ctx.set_materialize_grads(False)  # an unused extra output costs no backward work
         # Issue the copy before the layer runs so that it overlaps the layer's forward.
         # The last layer's input goes into a reload buffer (see `OffloadPool.keep`).
