@@ -204,7 +204,7 @@ def tokenize_rows(
     if not examples and report.dropped:
         raise ValueError(
             f"every example is longer than {limit_name} = {max_tokens} tokens (the shortest "
-            f"has {shortest_dropped(report)}); raise {limit_name} or set data.overlong=truncate"
+            f"has {min(report.dropped_lengths)}); raise {limit_name} or set data.overlong=truncate"
         )
     if not examples:
         raise ValueError(f"no usable examples: {report.summary()}")
@@ -268,8 +268,3 @@ def _collect(results, report: DataReport, first_row: int, strict: bool):
         report.tokens += len(ex)
         report.target_tokens += sum(ex.trainable[1:])
     return examples, report
-
-
-def shortest_dropped(report: DataReport) -> int | None:
-    """Length in tokens of the shortest example dropped as too long (None: none dropped)."""
-    return min(report.dropped_lengths) if report.dropped_lengths else None

@@ -46,11 +46,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from (damaged, or holding more than plain data)."""
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters the optimizer updates, by name (what a checkpoint must restore)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():  # the training device (train() makes it current) only:
@@ -105,7 +100,8 @@ def save_checkpoint(
         if dist.is_sharded(model):
             sharded.save_shards(tmp, model, optimizer)
         else:
-            state["model"] = trainable_state(model)
+            params = model.named_parameters()  # those the optimizer updates, by name
+            state["model"] = {n: p.detach() for n, p in params if p.requires_grad}
             state["optimizer"] = optimizer.state_dict()
         if dist.is_main():
             check_plain(state)
