@@ -467,7 +467,7 @@ def describe_config(section: str | None = None) -> str:
 def _default_text(field: Any) -> str:
     if field.is_required():
         return "(required)"
-    value = field.get_default()
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return ""
     if value is None or isinstance(value, bool):

@@ -250,6 +250,10 @@ def raw_config(**grpo):
 
 
 def test_config_errors_are_one_line():
+    from slipstream.config import describe_config
+
+    listed = {line.split()[0]: line.split()[1] for line in describe_config("grpo").splitlines()[1:]}
+    assert listed["rewards"] == "[]" and listed["num_generations"] == "8"
     cfg = config_from_dict(raw_config())
     assert cfg.grpo.num_generations == 8 and cfg.grpo.loss_type == "dapo"
     cases = {
