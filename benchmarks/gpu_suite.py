@@ -297,11 +297,10 @@ def grpo_row(v: Variant, setup: Setup) -> dict:
     )
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    batches, stats = objective.generate_batches(
+    batches, rollout = objective.generate_batches(
         model, _NoTextTokenizer(), window, setup.device, seeds=list(range(len(window)))
     )
-    gen_s = time.perf_counter() - t0  # the rollout read its tokens back: synced
+    gen_s, rollout_s = rollout["stats"]["gen_time_s"], rollout["seconds"]  # synced ends
 
     def step():
         weight = sum(objective.weight(b) for b in batches)
@@ -315,14 +314,16 @@ def grpo_row(v: Variant, setup: Setup) -> dict:
     train_s = common.time_per_call(step, reps=setup.reps, warmup=0, device=setup.device)
     trained = sum(b.num_tokens for b in batches)
     generated = sum(b.completion_tokens for b in batches)
-    row = {"train s": train_s, "generate s": gen_s, "train tokens/s": trained / train_s,
-           "gen tokens/s": generated / gen_s, "tokens/s": trained / (train_s + gen_s),
-           "gen share %": 100 * gen_s / (gen_s + train_s), "syncs/step": syncs,
+    row = {"train s": train_s, "generate s": gen_s, "rollout s": rollout_s,
+           "train tokens/s": trained / train_s, "gen tokens/s": generated / gen_s,
+           "tokens/s": trained / (train_s + rollout_s),
+           "gen share %": 100 * gen_s / (rollout_s + train_s), "syncs/step": syncs,
            "cuda sync warnings": cuda_warnings, "sync sites": where,
            "micro-batches": len(batches),
            "packing": f"{n} prompts x G={G}, <= {new} new tokens, {len(batches)} micro-batches",
            "attention": attention_backend(setup.device, setup.shapes[v.model]),
-           "notes": f"syncs/step: the training part; rollout {stats['seconds']:.1f} s"}  # fmt: skip
+           "notes": f"syncs/step: the training part; rollout {rollout_s:.1f} s of which "
+                    f"sampling {gen_s:.1f} s"}  # fmt: skip
     if setup.device.type == "cuda":
         row["peak GB"] = torch.cuda.max_memory_allocated() / 2**30
     return row

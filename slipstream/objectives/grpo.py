@@ -197,7 +197,11 @@ class GRPO:
         ]  # fmt: skip
         batches = self.pack(samples, window, device)
         self.add_logps(model, batches)
-        return batches, self.rollout_stats(gathered, sum(lengths))
+        if torch.device(device).type == "cuda":  # the rollout's time includes its forwards
+            torch.cuda.synchronize(device)
+        rollout = self.rollout_stats(gathered)
+        rollout["seconds"] = time.perf_counter() - start  # generation, rewards, log-probs
+        return batches, rollout
 
     def score(self, tokenizer, examples: list[PromptExample], completions) -> torch.Tensor:
         """(S, F) rewards of the completions (TRL's reward-function arguments)."""
@@ -244,7 +248,7 @@ class GRPO:
                 for b in batches:
                     b.ref_logps = token_logps(ref, b.input_ids, b.labels, b.seq, b.positions, T)
 
-    def rollout_stats(self, gathered: list, tokens: int) -> dict[str, float]:
+    def rollout_stats(self, gathered: list) -> dict[str, Any]:
         """Host stats over every rank's completions (TRL's metric names where it has one)."""
         r_SF = torch.cat([x[0] for x in gathered])
         total_S = torch.cat([x[1] for x in gathered])
@@ -259,12 +263,13 @@ class GRPO:
             "completions/mean_length": sum(lengths) / len(lengths),
             "completions/max_length": float(max(lengths)),
             "completions/clipped_ratio": sum(truncated) / len(truncated),
+            "gen_time_s": gen_s,
             "gen_tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
         }
         for f, name in enumerate(self.rewards.names):
             stats[f"rewards/{name}/mean"] = float(r_SF[:, f].nanmean())
             stats[f"rewards/{name}/std"] = float(nanstd(r_SF[:, f]))
-        return {"stats": stats, "seconds": gen_s}
+        return {"stats": stats}
 
     # -- loss ---------------------------------------------------------------------------
     def micro_batch_loss(

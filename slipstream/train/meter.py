@@ -62,7 +62,7 @@ class StepMeter:
     def add_rollout(self, rollout: dict[str, Any]) -> None:
         """An objective's rollout (GRPO): `{"stats": {name: value}, "seconds": s}`, host
         values already the same on every rank (or {} for a step without one). A logged step
-        shows each stat's mean over the interval's rollouts, `gen_time_s` (their seconds)
+        shows each stat's mean over the interval's rollouts, `rollout_time_s` (their seconds)
         and `train_time_s` (the rest of the interval); tokens_per_s and mfu are then of
         the training part alone."""
         for name, value in rollout.get("stats", {}).items():
@@ -97,7 +97,7 @@ class StepMeter:
         rollout = {}
         if self.rollout_stats or self.rollout_s:
             rollout = {n: sum(v) / len(v) for n, v in self.rollout_stats.items()}
-            rollout.update(gen_time_s=self.rollout_s, train_time_s=elapsed)
+            rollout.update(rollout_time_s=self.rollout_s, train_time_s=elapsed)
         self.tokens_total += int(tokens)
         self.last_loss = loss / weight
         # Every rank's useful FLOPs over every rank's peak (train/flops.py).
