@@ -39,13 +39,13 @@ INSTALL_HINT = "pip install 'slipstream[qlora]' (or: pip install bitsandbytes)"
 QUANT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 
-def require_bitsandbytes() -> ModuleType:
-    """bitsandbytes, or a one-line ValueError naming the install command."""
+def require_bitsandbytes(what: str = "quantize='nf4'") -> ModuleType:
+    """bitsandbytes, or a one-line ValueError naming `what` needs it and the install command."""
     try:
         import bitsandbytes
     except ImportError:
         raise ValueError(
-            f"quantize='nf4' needs bitsandbytes, which is not installed: {INSTALL_HINT}"
+            f"{what} needs bitsandbytes, which is not installed: {INSTALL_HINT}"
         ) from None
     return bitsandbytes
 

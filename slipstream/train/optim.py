@@ -56,21 +56,14 @@ def build_optimizer(
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if kind == "adamw_8bit":
-        return _bitsandbytes().optim.AdamW8bit(groups, lr=lr, betas=betas)
+        from slipstream.peft.qlora import require_bitsandbytes
+
+        bnb = require_bitsandbytes("train.optimizer=adamw_8bit")
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas)
     if kind != "adamw":
         raise ValueError(f"train.optimizer: unknown optimizer '{kind}' (adamw, adamw_8bit)")
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **kwargs)
-
-
-def _bitsandbytes():
-    try:
-        import bitsandbytes
-    except ImportError:
-        raise ValueError(
-            "train.optimizer=adamw_8bit needs bitsandbytes: pip install 'slipstream[qlora]'"
-        ) from None
-    return bitsandbytes
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
