@@ -14,12 +14,13 @@ import random
 from pathlib import Path
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-# SmolLM2-135M-Instruct at temperature 0.7 on 1..9 + 1..9 (48 samples): \boxed{} in 10% of its
-# replies, the right number inside it in 2%, the right number last in any form in 35%; without the
-# example ("Put your final answer within \boxed{}") \boxed{} appeared in 0 of 48.
+# SmolLM2-135M-Instruct at temperature 0.7 on 1..9 + 1..9 (48 samples), asked with the example
+# \boxed{7}: \boxed{} in 10% of its replies, the right number inside it in 2%, the right number
+# last in any form in 35%; without an example, \boxed{} in 0 of 48. GRPO then learned to copy
+# \boxed{7} (docs/grpo.md), so the example is 100, never the answer of a one-digit sum.
 QUESTION = (
     "What is {a} {op} {b}? Reply with only the final number inside \\boxed{{}}, "
-    "for example \\boxed{{7}}."
+    "for example \\boxed{{100}}."
 )
 
 
