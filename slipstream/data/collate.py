@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.data.labels import Example
-from slipstream.ops.packing import SeqInfo
+from slipstream.ops.packing import SeqInfo, to_device
 
 IGNORE_INDEX = -100
 
@@ -49,9 +49,7 @@ class Batch:
             parts = [self.input_ids, self.labels]
             parts += [] if self.label_positions is None else [self.label_positions]
             flat = torch.cat([x.reshape(-1).long() for x in parts])
-        if device.type == "cuda" and not flat.is_pinned():
-            flat = flat.pin_memory()
-        flat = flat.to(device, non_blocking=True)
+        flat = to_device(flat, device)
         T = self.input_ids.numel()
         positions = None if self.label_positions is None else flat[2 * T :]
         return Batch(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from slipstream.data.labels import DataReport
-from slipstream.ops.packing import SeqInfo
+from slipstream.ops.packing import SeqInfo, to_device
 
 
 @dataclass
@@ -152,11 +152,7 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The batch on `device`: two non-blocking copies (int64, float32) + the SeqInfo's."""
-        device = torch.device(device)
-        ints, floats = self._host
-        if device.type == "cuda" and not ints.is_pinned():
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints, floats = ints.to(device, non_blocking=True), floats.to(device, non_blocking=True)
+        ints, floats = (to_device(buf, device) for buf in self._host)
         T, N = self.input_ids.numel(), self.positions.numel()
         return replace(
             self, input_ids=ints[:T], labels=ints[T : 2 * T], positions=ints[2 * T :],

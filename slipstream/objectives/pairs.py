@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from slipstream.data.labels import DataReport
-from slipstream.ops.packing import SeqInfo
+from slipstream.ops.packing import SeqInfo, to_device
 
 PAIR_COLUMNS = ("chosen", "rejected")
 
@@ -245,12 +245,7 @@ class PairBatch:
 
     def to(self, device: torch.device | str) -> PairBatch:
         """The batch on `device`: two non-blocking copies (int64 and float32 buffers) + SeqInfo."""
-        device = torch.device(device)
-        ints, floats = self._host
-        if device.type == "cuda" and not ints.is_pinned():
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints = ints.to(device, non_blocking=True)
-        floats = floats.to(device, non_blocking=True)
+        ints, floats = (to_device(buf, device) for buf in self._host)
         T, N, S = self.input_ids.numel(), self.positions.numel(), 2 * self.num_pairs
         ref = floats[S:] if self.ref_logps is not None else None
         return PairBatch(

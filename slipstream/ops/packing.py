@@ -73,9 +73,7 @@ class SeqInfo:
         cls, lengths: tuple[int, ...], host: torch.Tensor, device: torch.device | str | None
     ) -> SeqInfo:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda" and not host.is_pinned():
-            host = host.pin_memory()
-        buf = host.to(device, non_blocking=True)
+        buf = to_device(host, device)
         n, total = len(lengths), sum(lengths)
         return cls(
             lengths=lengths,
@@ -99,6 +97,14 @@ class SeqInfo:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host buffer on `device` in one non-blocking copy, pinned first for CUDA if it is not."""
+    device = torch.device(device)
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
