@@ -137,13 +137,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
     """Train (and eval) loss against step as a PNG; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -153,28 +148,15 @@ def plot_losses(metrics_path: Path, out_png: Path) -> Path | None:
         ax.plot(*zip(*train), label="train")
     if evals:  # a few points, each an evaluation: markers, no line between them
         ax.plot(*zip(*evals), "o", label="eval")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    atomic_write(out_png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    return out_png
+    return _save_plot(plt, fig, ax, "loss", out_png)
 
 
 def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | None:
     """GRPO: the mean reward of each logged step (and its running mean over `window` logged
     steps) and each reward function's mean, against step; None without matplotlib or
     rewards."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     records = [r for r in read_metrics(metrics_path) if "reward" in r]
     if not records:
@@ -192,9 +174,28 @@ def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | N
         key = f"rewards/{name}/mean"
         ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), color=f"C{i}",
                 lw=1, ls="--", label=name)  # fmt: skip
+    return _save_plot(plt, fig, ax, "mean reward of the step's completions", out_png)
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save_plot(plt: Any, fig: Any, ax: Any, ylabel: str, out_png: Path) -> Path:
+    """Label a plot against step (whole numbers), write it atomically as a PNG, close it."""
+    from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward of the step's completions")
+    ax.set_ylabel(ylabel)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
