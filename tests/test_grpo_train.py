@@ -100,12 +100,7 @@ def test_resume_after_a_signal_repeats_the_uninterrupted_run(straight, tiny, tmp
     for step in (3, 4):
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-6)
         assert got[step]["reward"] == pytest.approx(want[step]["reward"], abs=1e-6)
-    a, b = (
-        load_file(out / "adapter_model.safetensors"),
-        load_file(tmp_path / "resumed" / "adapter_model.safetensors"),
-    )
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-5)
+    assert_same_adapter(tmp_path / "resumed", out, atol=1e-6, rtol=1e-5)
 
 
 def test_mu_two_reuses_each_rollout_for_two_steps(tiny, tmp_path):
@@ -141,9 +136,12 @@ def test_two_ranks_match_one_process(tiny, tmp_path):
         for key in ("loss", "reward", "reward_std", "completions/mean_length"):
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4)
-    a, b = (
-        load_file(out / "adapter_model.safetensors"),
-        load_file(tmp_path / "ddp" / "adapter_model.safetensors"),
-    )
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4)
+    assert_same_adapter(tmp_path / "ddp", out, atol=2e-5, rtol=1e-4)
+
+
+def assert_same_adapter(got_dir, want_dir, *, atol: float, rtol: float) -> None:
+    """Every tensor of want_dir's adapter_model.safetensors is close to got_dir's."""
+    want = load_file(want_dir / "adapter_model.safetensors")
+    got = load_file(got_dir / "adapter_model.safetensors")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=rtol)
