@@ -18,7 +18,8 @@ from slipstream.config import config_from_dict
 from slipstream.debug import count_syncs
 from slipstream.objectives.grpo import GRPO
 from slipstream.objectives.grpo_data import Sample, collate_rollouts, tokenize_prompts
-from slipstream.objectives.grpo_loss import advantages, total_rewards
+from slipstream.objectives.grpo_loss import advantages
+from slipstream.rewards import build_rewards
 from slipstream.train.loop import accumulate_gradients
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -146,7 +147,8 @@ def test_advantages_equal_the_direct_computation(scale):
     r_SF[6] = math.nan  # every function None: no reward, advantage 0
     r_SF[8:12, 0] = 1.0  # a group with no spread in total reward
     r_SF[8:12, 1] = 2.0
-    total = total_rewards(r_SF, [1.0, 0.5])
+    specs = [{"function": "accuracy"}, {"function": "format", "pattern": "x", "weight": 0.5}]
+    total = build_rewards(specs).total(r_SF)
     adv, zero = advantages(total, 4, scale)
     rows = [[x for x in row.tolist()] for row in r_SF]
     want_total = [

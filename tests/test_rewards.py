@@ -214,8 +214,9 @@ def test_total_ignores_nan_like_trl():
             {"function": "length", "budget": 3, "weight": -2},
         ]
     )
-    direct = [1.0 * 1.0 + (-0.5) * -2, 0.0, 0.0 * 1.0 + 2.0 * 0.25 + 1.0 * -2]
-    assert rewards.total(r_NF).tolist() == pytest.approx(direct)
+    # Row 1: every function None -> unscorable, NaN (TRL 1.16's GRPOTrainer), not nansum's 0.
+    direct = [1.0 * 1.0 + (-0.5) * -2, math.nan, 0.0 * 1.0 + 2.0 * 0.25 + 1.0 * -2]
+    assert rewards.total(r_NF).tolist() == pytest.approx(direct, nan_ok=True)
     assert rewards.names == ["accuracy", "format", "length"]
     assert build_rewards(["accuracy", "accuracy"]).names == ["accuracy", "accuracy_2"]
 

@@ -46,7 +46,7 @@ from slipstream.objectives.grpo_data import (
     split_to,
     tokenize_prompts,
 )
-from slipstream.objectives.grpo_loss import advantages, nanstd, token_losses, total_rewards
+from slipstream.objectives.grpo_loss import advantages, nanstd, token_losses
 from slipstream.objectives.logps import token_logps
 
 # The `grpo` config section's defaults (slipstream/config.py), for use without a RunConfig.
@@ -182,7 +182,7 @@ class GRPO:
         gen_s = time.perf_counter() - start
         completions = [r.token_ids for r in rows]
         rewards_SF = self.score(tokenizer, examples, completions)
-        total_S = total_rewards(rewards_SF, self.rewards.weights)  # NaN: every one None
+        total_S = self.rewards.total(rewards_SF)  # NaN: every one None
         truncated = [r.finish_reason == "length" for r in rows]
         lengths = [len(c) for c in completions]
         gathered = dist.gather_objects((rewards_SF, total_S, lengths, truncated, gen_s))

@@ -35,13 +35,6 @@ import torch
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 
-def total_rewards(rewards_SF: torch.Tensor, weights_F: list[float]) -> torch.Tensor:
-    """(S,) weighted sum over reward functions ignoring NaN; NaN where all are NaN."""
-    w_F = torch.tensor(weights_F, dtype=rewards_SF.dtype)
-    total_S = (rewards_SF * w_F).nansum(dim=1)
-    return total_S.masked_fill(rewards_SF.isnan().all(dim=1), math.nan)
-
-
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Unbiased std ignoring NaN (NaN with fewer than two values)."""
     mean = x.nanmean(dim=dim, keepdim=True) if dim is not None else x.nanmean()

@@ -131,11 +131,13 @@ class RewardFunctions:
         )
 
     def total(self, r_NF: Any) -> Any:
-        """(N,) weighted sum over functions, NaN (None) ignored: TRL's `nansum`."""
+        """(N,) weighted sum over functions, NaN (None) ignored: TRL's `nansum`. A completion
+        every function returned None for is unscorable: NaN, as TRL 1.16 marks it (not 0,
+        which would bias its group's baseline)."""
         import torch
 
         w_F = torch.tensor(self.weights, dtype=r_NF.dtype, device=r_NF.device)
-        return (r_NF * w_F).nansum(dim=1)
+        return (r_NF * w_F).nansum(dim=1).masked_fill(r_NF.isnan().all(dim=1), math.nan)
 
     def _score(self, r: Reward, args: dict[str, Any], rows: list[int]) -> list[float | None]:
         missing = [c for c in r.columns if c not in args]
