@@ -129,7 +129,6 @@ def accumulate_gradients(
     return loss_sum, metric_sums
 
 
-@torch.no_grad()
 def evaluates(run: Run) -> bool:
     return bool(run.data.eval or run.cfg.train.sample_prompts)
 
@@ -146,6 +145,7 @@ def eval_point(run: Run, meter: StepMeter, step: int) -> float | None:
     return loss
 
 
+@torch.no_grad()  # else `total` keeps every eval batch's autograd graph alive until the end
 def evaluate(run: Run) -> dict[str, float]:
     """Loss and metrics per unit of weight over the eval set (one host sync, at the end).
 
