@@ -9,8 +9,10 @@ family is and reshape the tensors where llama.cpp's layout differs from Hugging 
 - gemma3: RMSNorm weights stored as 1 + w (HF's Gemma3RMSNorm adds the 1 at run time).
 - qwen3_moe: one (E, F, D) tensor per expert projection (HF names one matrix per expert).
 - gpt_oss: gate/up de-interleaved and every expert matrix transposed to (E, out, in).
-- llama3 RoPE: the per-frequency scale factors as the `rope_freqs` tensor; phi3 longrope:
-  `rope_factors_long/short`.
+- llama3 RoPE: the per-frequency scale factors as the `rope_freqs` tensor (and
+  original_max_position_embeddings as `rope.scaling.original_context_length`, which llama.cpp
+  reads for yarn only: import takes it to rebuild the same config, `gguf_llama3.py`); phi3
+  longrope: `rope_factors_long/short`.
 
 Every function takes the merged model's HF-named tensors (what `export_merged` writes), one
 at a time; only a MoE layer's experts are held together until the layer is complete.
@@ -150,6 +152,9 @@ def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
         w.add_rope_scaling_yarn_beta_slow(float(rope.beta_slow))
         if rope.attention_factor is not None:
             w.add_rope_scaling_yarn_attn_factor(float(rope.attention_factor))
+    elif rope.rope_type == "llama3":  # the divisors are the rope_freqs tensor; this key picks
+        # which of the configs computing them comes back on import (llama.cpp reads it for yarn)
+        w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
     if name == "GEMMA3":
         w.add_rope_freq_base_swa(float(cfg.local_rope.theta))
         if cfg.sliding_window:

@@ -5,7 +5,8 @@ architectures): hyperparameters under `{arch}.*` keys, special token ids under
 `tokenizer.ggml.*`, tied embeddings when there is no `output.weight`, and what llama.cpp fixes
 in code rather than in the file (gpt-oss's SwiGLU clamp 7.0 and alternating sliding layers;
 qwen3moe's renormalised top-k; Gemma 3's query scale 1/sqrt(head_dim)). Phi-3's longrope
-factor sets are tensors in the file (`rope_factors_long/short`); they come back as config.
+factor sets are tensors in the file (`rope_factors_long/short`); they come back as config, and
+so does llama3 RoPE from its `rope_freqs` divisors (`gguf_llama3.py`).
 
 Non-llama configs are completed with transformers' defaults for the model type
 (`AutoConfig.for_model`), so the dict is what a config.json of that family holds.
@@ -28,7 +29,7 @@ MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
 }
 # Tensors that are configuration, not weights (read here, skipped by the tensor reader).
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
@@ -97,8 +98,6 @@ def _common(reader: Any, arch: str, names: set[str]) -> dict:
 
 
 def _llama(config: dict, reader: Any, names: set[str]) -> None:
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF with llama3 rope scaling (rope_freqs) is not supported yet.")
     config.update(
         architectures=["LlamaForCausalLM"],
         hidden_act="silu",
@@ -106,9 +105,35 @@ def _llama(config: dict, reader: Any, names: set[str]) -> None:
         mlp_bias=False,
     )
     scaling = field(reader, "llama.rope.scaling.type")
-    if scaling and scaling != "none":
+    if "rope_freqs.weight" in names:
+        _llama3(config, reader, scaling)
+    elif scaling and scaling != "none":
         factor = decimal(field(reader, "llama.rope.scaling.factor", 1.0))
         config["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+
+
+def _llama3(config: dict, reader: Any, scaling: str | None) -> None:
+    """llama3 RoPE (Llama 3.1+) from its per-frequency divisors (`gguf_llama3.py`)."""
+    from gguf.quants import dequantize
+
+    from slipstream.checkpoint.gguf_llama3 import llama3_rope_scaling
+
+    if scaling not in (None, "none"):  # llama.cpp would apply both
+        raise ValueError(
+            f"GGUF llama with rope_freqs and rope scaling type {scaling!r}: not a transformers "
+            "model (llama3 RoPE has no other scaling on top)."
+        )
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    original = field(reader, "llama.rope.scaling.original_context_length")
+    rope = llama3_rope_scaling(
+        dequantize(t.data, t.tensor_type),
+        config["rope_theta"],
+        config["head_dim"],
+        config["max_position_embeddings"],
+        int(original) if original is not None else None,
+    )
+    if rope is not None:
+        config["rope_scaling"] = rope
 
 
 def _experts(reader: Any, arch: str) -> dict:
