@@ -12,6 +12,9 @@
    stop costing work. Between checks a finished row runs on for at most check_every - 1
    tokens, which are dropped.
 
+On CPU in float32 the linear layers and the LM head run on weights packed once per call
+(generation/packed_linear.py): the GEMM does not repack every weight at every token.
+
 Phi-3 longrope (`Backbone.rope_switch_length`): a row whose length reaches
 original_max_position_embeddings + 1 is prefilled again in full at that step, every position
 under the long factors, as transformers' generate recomputes its cache there (`_recompute`).
@@ -25,21 +28,18 @@ Shapes: B live rows, V vocabulary, K = check_every.
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from slipstream.generation.cache import Decode, KVCache, Prefill, decode_seq
+from slipstream.generation.packed_linear import packed_linears
 from slipstream.generation.sampling import Sampling, sample
 from slipstream.ops.packing import SeqInfo
 
 CHECK_EVERY = 8
-# CPU: the LM head runs in slices of this many vocabulary rows (see `lm_head`).
-HEAD_SLICE = 512
 
 
 @dataclass
@@ -87,18 +87,19 @@ def run(
     was_training = model.training
     model.eval()
     try:
-        return _run(model, prompts, rows, n, sampling, set(stop_ids), find_stop, generator,
-                    check_every, on_check, logprobs)  # fmt: skip
+        with packed_linears(model, model.lm_head_weight(), len(rows)) as lm_head:
+            return _run(model, lm_head, prompts, rows, n, sampling, set(stop_ids), find_stop,
+                        generator, check_every, on_check, logprobs)  # fmt: skip
     finally:
         model.train(was_training)
 
 
-def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check, want_lp):
+def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check,
+         want_lp):  # fmt: skip
     device = model.model.embed_tokens.weight.device
-    head_W = model.lm_head_weight()
     steps = max(r.limit for r in rows)
     cache = KVCache.for_model(model, len(prompts), max(map(len, prompts)) + steps)
-    logits_BV = _prefill(model, cache, prompts, head_W, device)
+    logits_BV = _prefill(model, cache, prompts, lm_head, device)
     if n > 1:
         repeat = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache.keep_rows(repeat)
@@ -134,19 +135,19 @@ def _run(model, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, o
         step_kv = Decode(cache, pos_B, min(prompt_lens) + step, max(prompt_lens) + step)
         h_BD = model.hidden_states(token_B, decode_seq(pos_B, step_kv))
         step_kv.finish()
-        logits_BV = lm_head(h_BD, head_W)
+        logits_BV = lm_head(h_BD)
         if switch is not None:
             crossing = [i for i, r in enumerate(live) if r.prompt_len + step + 1 == switch]
             if crossing:
                 logits_BV = _recompute(model, cache, prompts, live, crossing, gen_BS[:, : step + 1],
-                                       logits_BV, head_W)  # fmt: skip
+                                       logits_BV, lm_head)  # fmt: skip
         pos_B = pos_B + 1
     for r in rows:
         r.finish_reason = r.finish_reason or "length"
     return rows
 
 
-def _prefill(model, cache: KVCache, prompts, head_W, device) -> torch.Tensor:
+def _prefill(model, cache: KVCache, prompts, lm_head, device) -> torch.Tensor:
     """Packed forward of the prompts into the cache -> logits (N, V) at each prompt's end."""
     seq = SeqInfo.from_lengths([len(p) for p in prompts], device)
     step_kv = Prefill(cache, seq, list(range(len(prompts))))
@@ -155,30 +156,10 @@ def _prefill(model, cache: KVCache, prompts, head_W, device) -> torch.Tensor:
     h_TD = model.hidden_states(ids_T, seq)
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1
-    return lm_head(h_TD.index_select(0, last_N), head_W)
+    return lm_head(h_TD.index_select(0, last_N))
 
 
-def lm_head(h_BD: torch.Tensor, W_VD: torch.Tensor) -> torch.Tensor:
-    """Logits (B, V) = h_BD @ W_VD.T; on CPU in slices of HEAD_SLICE vocabulary rows."""
-    # The head's weight streams from memory every step (113 MB for SmolLM2's 49152 x 576).
-    # One MKL GEMM over all of it repacks the whole weight per call; slice by slice each 1.2 MB
-    # slice is packed and used while in cache. Each logit is the same dot product over D, so
-    # the result is bitwise equal (tests/test_generation_head.py). Measured (CPU time, one
-    # thread): 16 rows 64 -> 35 ms a step, 2 rows 33 -> 27 ms; one row is a matrix-vector
-    # product that streams the weight once already (no gain), so it keeps F.linear.
-    B, V = h_BD.shape[0], W_VD.shape[0]
-    if h_BD.device.type != "cpu" or h_BD.dtype != torch.float32 or B == 1 or V <= HEAD_SLICE:
-        return F.linear(h_BD, W_VD)
-    # The remainder joins the last slice: a slice of one row would be a matrix-vector product,
-    # whose sums round differently.
-    edges = [*range(0, V // HEAD_SLICE * HEAD_SLICE, HEAD_SLICE), V]
-    out_BV = h_BD.new_empty(B, V)
-    for lo, hi in itertools.pairwise(edges):
-        torch.mm(h_BD, W_VD[lo:hi].t(), out=out_BV[:, lo:hi])
-    return out_BV
-
-
-def _recompute(model, cache: KVCache, prompts, live, crossing, gen_BJ, logits_BV, head_W):
+def _recompute(model, cache: KVCache, prompts, live, crossing, gen_BJ, logits_BV, lm_head):
     """Rows whose length just reached `rope_switch_length` (Phi-3 longrope past
     original_max_position_embeddings): their whole sequence (prompt + J generated tokens)
     again as a prefill into their cache rows, every position now under the new RoPE tables,
@@ -195,7 +176,7 @@ def _recompute(model, cache: KVCache, prompts, live, crossing, gen_BJ, logits_BV
     h_TD = model.hidden_states(torch.cat(parts), seq)
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1
-    fresh_NV = lm_head(h_TD.index_select(0, last_N), head_W)
+    fresh_NV = lm_head(h_TD.index_select(0, last_N))
     rows_N = torch.tensor(crossing).to(device, non_blocking=True)
     return logits_BV.index_copy(0, rows_N, fresh_NV)
 
