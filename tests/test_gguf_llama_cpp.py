@@ -23,7 +23,13 @@ OVERRIDES = {
     "qwen3": dict(head_dim=16),
     "mistral": dict(sliding_window=None),
 }
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "gpt_oss"]
+# Llama 3.1-style RoPE scaling (the rope_freqs tensor): with head_dim 16 and theta 1e4, of the
+# 8 frequencies 1 is in the high band, 2 between the bands and 5 in the low band.
+LLAMA3_ROPE = dict(max_position_embeddings=512, rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=64))  # fmt: skip
+FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
+            "qwen3_moe", "gpt_oss"]  # fmt: skip
 PROMPT = "Hello, how are you doing today? I went hiking in the mountains."
 
 
@@ -32,6 +38,8 @@ def tiny(kind: str):
         return make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, head_dim=16)
     if kind == "gpt_oss":  # llama.cpp fixes the clamp at 7.0
         return make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, swiglu_limit=7.0)
+    if kind == "llama3_rope":
+        return make_hf_model("llama", **DENSE, **LLAMA3_ROPE)
     return make_hf_model(kind, **{**DENSE, **OVERRIDES.get(kind, {})})
 
 
