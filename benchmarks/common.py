@@ -37,8 +37,6 @@ import torch  # noqa: E402
 from slipstream.ops import attention  # noqa: E402
 from slipstream.ops.packing import SeqInfo  # noqa: E402
 
-DATE = "2026-11-30"  # the date the docs tables carry (set by the issue, not the clock)
-
 # Tiny shapes every family accepts; MoE keys are ignored by dense configs.
 TINY = dict(
     vocab_size=256,
@@ -345,7 +343,7 @@ def run_info(device: Any = "cpu") -> dict[str, str]:
         cores = os.cpu_count()
         hardware = f"{cores}-core CPU (no GPU), {torch.get_num_threads()} torch thread(s)"
     return {
-        "date": DATE,
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "run_at": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": git_commit(),
         "hardware": hardware,
