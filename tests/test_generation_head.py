@@ -48,8 +48,17 @@ def test_modules_are_packed_inside_and_restored_after():
 def test_no_packing_when_the_copy_would_not_fit(monkeypatch):
     monkeypatch.setattr(packed_linear, "_free_bytes", lambda: 1000)
     model = nn.Linear(64, 64)
-    with torch.no_grad(), packed_linears(model, model.weight, 1):
+    with torch.no_grad(), packed_linears(model, model.weight, 4):
         assert "forward" not in vars(model)
+    monkeypatch.undo()
+    with torch.no_grad(), packed_linears(model, model.weight, 4):
+        assert "forward" in vars(model)
+
+
+def test_one_row_packs_only_big_weights():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, packed_linear.SMALL_WEIGHT // 64))
+    with torch.no_grad(), packed_linears(model, model[1].weight, 1):
+        assert "forward" not in vars(model[0]) and "forward" in vars(model[1])
 
 
 @pytest.mark.parametrize("lora", [False, True])

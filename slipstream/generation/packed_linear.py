@@ -8,7 +8,8 @@ call with `torch.ops.mkldnn._reorder_linear_weight` and multiplied with
 linears). Measured, one thread, SmolLM2-135M shapes (benchmarks/bench_generate.py's model):
 the 49152 x 576 head at 16 rows 19 -> 6.5 ms, a 1536 x 576 projection at 16 rows 0.38 ->
 0.15 ms, at a 1152-token prefill 20 -> 9.7 ms. One row against a small weight is a
-matrix-vector product where packing does not pay, so those calls keep `F.linear`.
+matrix-vector product where packing does not pay, so those calls keep `F.linear`, and a
+single sequence does not pack those weights at all.
 
 The sums run in another order than F.linear's, so logits differ in the last float32 bits
 (~4e-6 relative). Applies only under no_grad to float32 weights on CPU, whose module is a
@@ -54,16 +55,20 @@ def _free_bytes() -> int | None:
         return None
 
 
-def _eligible(W: torch.Tensor) -> bool:
-    return W.device.type == "cpu" and W.dtype == torch.float32
+def _eligible(W: torch.Tensor, rows: int) -> bool:
+    on_cpu = W.device.type == "cpu" and W.dtype == torch.float32
+    return on_cpu and (rows > 1 or W.numel() >= SMALL_WEIGHT)
 
 
 @contextmanager
 def packed_linears(model: nn.Module, head_W: torch.Tensor, rows: int):
     """Within: every eligible `nn.Linear` of `model` runs on its packed weight; yields the LM
     head as a function h_BD -> logits_BV (packed too when eligible)."""
-    linears = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight)]
-    weights = [m.weight for m in linears] + ([head_W] if _eligible(head_W) else [])
+    # With one row, decode leaves small weights to F.linear: packing them would pay off only
+    # in the prefill's one call, less than it costs.
+    linears = [m for m in model.modules()
+               if type(m) is nn.Linear and _eligible(m.weight, rows)]  # fmt: skip
+    weights = [m.weight for m in linears] + ([head_W] if _eligible(head_W, rows) else [])
     need = sum(W.numel() * W.element_size() for W in weights)
     free = _free_bytes()
     if torch.is_grad_enabled() or not weights or not available() or (free and need > free / 2):
@@ -71,7 +76,7 @@ def packed_linears(model: nn.Module, head_W: torch.Tensor, rows: int):
         return
     for m in linears:
         m.forward = _packed_forward(m, pack(m.weight, rows))
-    head_P = pack(head_W, rows) if _eligible(head_W) else None
+    head_P = pack(head_W, rows) if _eligible(head_W, rows) else None
     try:
         yield lambda h_BD: linear(h_BD, head_W, head_P)
     finally:
