@@ -14,14 +14,11 @@ import random
 from pathlib import Path
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-# SmolLM2-135M-Instruct at temperature 0.7 on 1..9 + 1..9 (48 samples), asked with the example
-# \boxed{7}: \boxed{} in 10% of its replies, the right number inside it in 2%, the right number
-# last in any form in 35%; without an example, \boxed{} in 0 of 48. GRPO then learned to copy
-# \boxed{7} (docs/grpo.md), so the example is 100, never the answer of a one-digit sum.
-QUESTION = (
-    "What is {a} {op} {b}? Reply with only the final number inside \\boxed{{}}, "
-    "for example \\boxed{{100}}."
-)
+# SmolLM2-135M-Instruct at temperature 0.7 on 12 questions x 4 (system "Be brief."), this
+# question, 1..9 +/- 1..9: the right answer in any form 33%, ending in `Answer: N` 8%, both 2%.
+# The earlier \boxed{} form (with the example \boxed{7}, then \boxed{100}) was boxed-right in
+# 2%, and GRPO on it copied the example or never learned to box (docs/grpo.md).
+QUESTION = 'What is {a} {op} {b}? End your reply with the line "Answer: " followed by the number.'
 
 
 def arithmetic_rows(num_rows: int, *, seed: int = 0, skip: int = 0, low: int = 1, high: int = 9,
