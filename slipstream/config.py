@@ -252,11 +252,6 @@ class RunConfig(_Section):
                 f"{t.tokens_per_batch}; raise it or lower grpo.max_prompt_tokens, "
                 "max_completion_tokens or num_generations"
             )
-        if self.data.eval is not None or self.data.eval_fraction > 0:
-            raise ValueError(
-                "train.objective=grpo has no eval loss yet; unset data.eval and "
-                "data.eval_fraction (train.sample_prompts still shows replies)"
-            )
         return self
 
 

@@ -2,13 +2,15 @@
 functions loaded by path, tests/helpers/grpo_rewards.py) logs the
 rollout and loss metrics and saves an adapter; a run stopped by a signal and resumed gives
 the same losses and adapter as one uninterrupted run (rollouts are seeded per step); with
-mu = 2 each rollout serves two optimizer steps."""
+mu = 2 each rollout serves two optimizer steps; data.eval gives the mean reward of greedy
+replies."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,16 +117,48 @@ def test_mu_two_reuses_each_rollout_for_two_steps(tiny, tmp_path):
     assert steps[1]["kl"] > 0 and steps[1]["clip_ratio/region_mean"] >= 0
 
 
+def test_held_out_eval_is_the_mean_reward_of_greedy_replies(tiny, tmp_path):
+    """data.eval under GRPO: eval_reward (and eval_loss = -eval_reward) at steps 0, 2 and 4;
+    at step 0 (LoRA's B is zero: the base model) it equals the base's greedy replies from
+    slipstream.generate scored by hand with the two rewards' formulas."""
+    from slipstream.generation.api import generate
+    from slipstream.generation.commands import load
+
+    model_dir, data = tiny
+    cfg = grpo_config(tiny, tmp_path / "out")
+    cfg["data"]["eval"] = str(data)
+    cfg["train"]["eval_every"] = 2
+    summary = train(config_from_dict(cfg))
+    evals = [r for r in lines(tmp_path / "out") if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert all(r["eval_loss"] == -r["eval_reward"] for r in evals)
+    assert summary["eval_loss_before"] == evals[0]["eval_loss"]
+
+    model, tokenizer = load(SimpleNamespace(model=str(model_dir), base=None, device="cpu"))
+    prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
+    texts = [c.text for c in generate(model, prompts, tokenizer=tokenizer, max_new_tokens=12)]
+    length = [len(t) / 10 for t in texts]  # tests/helpers/grpo_rewards.py
+    has_e = [None if "sun" in str(p) else float("e" in t) for p, t in zip(prompts, texts)]
+    judged = [x for x in has_e if x is not None]
+    total = [a + 0.5 * (b or 0.0) for a, b in zip(length, has_e)]
+    assert evals[0]["eval_reward"] == pytest.approx(sum(total) / len(total), abs=1e-6)
+    assert evals[0]["eval_rewards/length/mean"] == pytest.approx(sum(length) / len(length))
+    assert evals[0]["eval_rewards/has_e/mean"] == pytest.approx(sum(judged) / len(judged))
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tiny, tmp_path):
     """2 gloo ranks with grad_accum 1 each against one process with grad_accum 2: each prompt
     batch samples with the seed of its place in the global window, so the completions, the
-    rewards, the step's normaliser and the update are the same."""
+    rewards, the step's normaliser and the update are the same; so is the held-out reward,
+    each rank replying to its share of the eval prompts."""
     from test_distributed import check, torchrun
 
     out = tmp_path / "single"
     raw = grpo_config(tiny, out)
     raw["lora"]["dropout"] = 0.0  # each rank draws its own dropout masks
+    raw["data"]["eval"] = raw["data"]["train"]
+    raw["train"]["eval_every"] = 2
     train(config_from_dict(raw))
     raw = {**raw, "output_dir": str(tmp_path / "ddp")}
     raw["train"] = {**raw["train"], "grad_accum": 1, "parallel": "ddp", "dist_timeout_s": 60}
@@ -136,6 +170,9 @@ def test_two_ranks_match_one_process(tiny, tmp_path):
         for key in ("loss", "reward", "reward_std", "completions/mean_length"):
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4)
+    want = {r["step"]: r["eval_reward"] for r in lines(out) if "eval_reward" in r}
+    got = {r["step"]: r["eval_reward"] for r in lines(tmp_path / "ddp") if "eval_reward" in r}
+    assert sorted(got) == [0, 2, 4] and got == pytest.approx(want, abs=1e-5)
     assert_same_adapter(tmp_path / "ddp", out, atol=2e-5, rtol=1e-4)
 
 

@@ -183,15 +183,18 @@ def test_reward_plot_draws_total_running_mean_and_each_function(tmp_path, monkey
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "loss": 0.1, "reward": r, "rewards/accuracy/mean": r / 2,
              "rewards/format/mean": r} for s, r in ((1, 0.0), (2, 1.0), (3, 2.0))]  # fmt: skip
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": s, "eval_loss": -r, "eval_reward": r} for s, r in ((0, 0.25), (3, 1.75))]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [evals[0], *rows, evals[1]]))
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     assert plot_rewards(metrics, tmp_path / "reward.png", window=2).is_file()
     (ax,) = figures[0].axes
-    total, running, accuracy, fmt = ax.get_lines()
+    total, running, accuracy, fmt, held_out = ax.get_lines()
     assert list(running.get_ydata()) == [0.0, 0.5, 1.5]  # running mean over 2 logged steps
     assert list(accuracy.get_ydata()) == [0.0, 0.5, 1.0] and list(fmt.get_ydata()) == [0, 1, 2]
-    assert [t.get_text() for t in ax.get_legend().get_texts()][2:] == ["accuracy", "format"]
+    assert list(held_out.get_xdata()) == [0, 3] and list(held_out.get_ydata()) == [0.25, 1.75]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()][2:]
+    assert legend == ["accuracy", "format", "held-out reward (greedy)"]
     no_rewards = tmp_path / "sft.jsonl"
     no_rewards.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     assert plot_rewards(no_rewards, tmp_path / "none.png") is None  # SFT runs draw no reward plot

@@ -203,9 +203,11 @@ class GRPO:
         rollout["seconds"] = time.perf_counter() - start  # generation, rewards, log-probs
         return batches, rollout
 
-    def score(self, tokenizer, examples: list[PromptExample], completions) -> torch.Tensor:
-        """(S, F) rewards of the completions (TRL's reward-function arguments)."""
-        G = self.G
+    def score(self, tokenizer, examples: list[PromptExample], completions,
+              per_prompt: int | None = None) -> torch.Tensor:  # fmt: skip
+        """(S, F) rewards of the completions, `per_prompt` (default G) a prompt in order
+        (TRL's reward-function arguments)."""
+        G = per_prompt or self.G
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [examples[i // G].prompt for i in range(len(texts))]
         shown = [
@@ -216,6 +218,35 @@ class GRPO:
         columns = {k: [examples[i // G].columns.get(k) for i in range(len(texts))] for k in keys}
         rows = [examples[i // G].row for i in range(len(texts))]
         return self.rewards(prompts, shown, columns, rows, completion_ids=list(completions))
+
+    @torch.no_grad()
+    def evaluate(self, run: Any) -> dict[str, float]:
+        """Held-out eval: the mean reward (total and per function) of one greedy completion
+        per eval prompt, one eval batch of prompts at a time; under torchrun each rank its
+        share, gathered. `loss` is minus the mean reward, so `train.save_best` keeps the
+        best-reward weights."""
+        from slipstream.generation import engine
+        from slipstream.generation.api import stop_token_ids
+        from slipstream.generation.sampling import Sampling
+
+        model, tokenizer = run.model, run.tokenizer
+        parts = [torch.zeros(0, len(self.rewards.names))]
+        for batch in run.data.eval_batches[dist.rank() :: dist.world_size()]:
+            examples = [run.data.eval[i] for i in batch]
+            rows = engine.run(
+                model, [ex.prompt_ids for ex in examples], logprobs=False,
+                max_new_tokens=self.options.max_completion_tokens, sampling=Sampling(0.0),
+                stop_ids=stop_token_ids(tokenizer),
+                max_positions=model.config.hf.get("max_position_embeddings"),
+            )  # fmt: skip
+            parts.append(self.score(tokenizer, examples, [r.token_ids for r in rows], 1))
+        r_SF = torch.cat([r for rank in dist.gather_objects(parts) for r in rank])
+        reward = float(self.rewards.total(r_SF).nanmean())
+        per_function = {
+            f"rewards/{name}/mean": float(r_SF[:, f].nanmean())
+            for f, name in enumerate(self.rewards.names)
+        }
+        return {"loss": -reward, "reward": reward, **per_function}
 
     def pack(self, samples: list[Sample], window: list[PromptBatch], device) -> list:
         G, n = self.G, 0

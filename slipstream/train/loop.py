@@ -147,12 +147,15 @@ def eval_point(run: Run, meter: StepMeter, step: int) -> float | None:
 
 @torch.no_grad()  # else `total` keeps every eval batch's autograd graph alive until the end
 def evaluate(run: Run) -> dict[str, float]:
-    """Loss and metrics per unit of weight over the eval set (one host sync, at the end).
+    """Loss and metrics per unit of weight over the eval set (one host sync, at the end);
+    an objective with its own `evaluate` (GRPO: the reward of greedy replies) runs that.
 
     Under torchrun each rank evaluates its share (`eval_share`) and one all-reduce sums the
     losses, metrics and weights: the same numbers as one process, in 1/world of the time.
     """
     model, objective, device = run.model, run.objective, run.device
+    if hasattr(objective, "evaluate"):
+        return objective.evaluate(run)
     was_training = model.training
     model.eval()
     total, metrics, count = torch.zeros((), device=device), {}, 0

@@ -174,6 +174,10 @@ def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | N
         key = f"rewards/{name}/mean"
         ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), color=f"C{i}",
                 lw=1, ls="--", label=name)  # fmt: skip
+    held_out = [(r["step"], r["eval_reward"]) for r in read_metrics(metrics_path)
+                if "eval_reward" in r]  # fmt: skip
+    if held_out:
+        ax.plot(*zip(*held_out), color="k", marker="o", label="held-out reward (greedy)")
     return _save_plot(plt, fig, ax, "mean reward of the step's completions", out_png)
 
 
