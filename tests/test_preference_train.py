@@ -71,6 +71,7 @@ def test_dpo_run_from_an_adapter(tiny, tmp_path):
 
     summary = train(config_from_dict(dpo_config(tiny, tmp_path / "dpo")))
     assert summary["status"] == "completed"
+    assert summary["eval_ppl_before"] is None and summary["eval_ppl_after"] is None  # not a ppl
     rows = records(tmp_path / "dpo")
     evals = [r for r in rows if "eval_loss" in r]
     trains = [r for r in rows if "loss" in r]

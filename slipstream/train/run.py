@@ -191,6 +191,7 @@ def finish_run(
     if dist.is_main():
         plot_rewards(meter.log.path, out / "reward.png")  # GRPO; None (nothing) otherwise
     before = run.eval_before
+    ppl = perplexity if run.objective.perplexity else lambda loss: None  # as the eval lines
     summary = {
         "status": status,
         "signal": stopped_by or None,
@@ -200,8 +201,8 @@ def finish_run(
         "final_train_loss": meter.last_loss,
         "eval_loss_before": before,
         "eval_loss_after": eval_after,
-        "eval_ppl_before": perplexity(before) if before is not None else None,
-        "eval_ppl_after": perplexity(eval_after) if eval_after is not None else None,
+        "eval_ppl_before": ppl(before) if before is not None else None,
+        "eval_ppl_after": ppl(eval_after) if eval_after is not None else None,
         "tokens_trained": meter.tokens_total,
         "skipped_steps": run.guard.skipped,
         "seconds": time.perf_counter() - run.started,
