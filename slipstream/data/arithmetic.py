@@ -15,7 +15,8 @@ from pathlib import Path
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 # SmolLM2-135M-Instruct at temperature 0.7 on 12 questions x 4 (system "Be brief."), this
-# question, 1..9 +/- 1..9: the right answer in any form 33%, ending in `Answer: N` 8%, both 2%.
+# question, 1..9 + 1..9: the right answer in any form 38%, ending in `Answer: N` 8%, both 6%
+# (with - too: 33%, 8%, 2%).
 # The earlier \boxed{} form (with the example \boxed{7}, then \boxed{100}) was boxed-right in
 # 2%, and GRPO on it copied the example or never learned to box (docs/grpo.md).
 QUESTION = 'What is {a} {op} {b}? End your reply with the line "Answer: " followed by the number.'
