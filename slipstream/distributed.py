@@ -191,6 +191,41 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+    """Within: every FSDP2 module of `model` holds its full parameters, so generation runs any
+    number of forwards with no collective. Not sharded: nothing.
+
+    Ranks decode different numbers of tokens (rows stop at different times), and a layer's
+    forward hook all-gathers its weights: one forward more on one rank would deadlock. Here
+    each FSDP module all-gathers once on entry (every rank, the same order) and keeps its
+    weights through the forwards within (the hooks then find them gathered: no collective);
+    on exit they are freed again (TRL/DeepSpeed's "gather for generation"). Costs one full
+    copy of the weights per rank for the duration.
+    """
+    if not is_sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    # Generation calls `hidden_states`, not the root's forward: the root's lazy init (which
+    # module is the root) must run first, or the first layer's hook would claim the root.
+    model._get_fsdp_state()._lazy_init()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.unshard()
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        # wrap_model's policy again: the layers reshard after forward, the root keeps its
+        # weights until the backward (FSDP2's default for the root).
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+        for m in modules:
+            m.reshard()
+
+
+@contextmanager
 def gradient_sync(model: nn.Module, ddp: nn.Module | None, enabled: bool) -> Iterator[None]:
     """Reduce gradients over ranks in this backward only if `enabled` (the window's last
     micro-batch): accumulation stays local, one reduction per optimizer step."""

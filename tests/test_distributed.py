@@ -223,3 +223,26 @@ def test_fsdp_hands_every_layer_the_callers_seqinfo(monkeypatch):
     finally:
         tdist.destroy_process_group()
     assert len(seen) == len(model.model.layers) and all(s is seq for s in seen)
+
+
+def test_fsdp_generates_on_gathered_weights_with_unequal_forwards(tiny_run, tmp_path):  # noqa: F811
+    """`gathered_for_generation`: 2 FSDP2 ranks decode different numbers of tokens (rank 0
+    one call of 3, rank 1 two calls of 19; a per-layer all-gather in each forward would
+    deadlock), the first time before any root forward, and reply as the unsharded model;
+    on exit the weights are sharded again (and the layers after a later forward), and a
+    training forward and backward in between gives the unsharded loss and gradient."""
+    model_dir, _ = tiny_run
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(ROOT / "tests" / "helpers" / "fsdp_generation.py"), str(model_dir), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    check(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120))
+    for rank, steps in ((0, 3), (1, 19)):
+        r = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert [len(t) for t in r["want_tokens"][0]] == [steps, steps]
+        assert r["first"] == r["want_tokens"] and r["second"] == r["want_tokens"]
+        assert r["resharded"] and r["layers_resharded"]
+        assert r["got_loss"] == pytest.approx(r["want_loss"], abs=1e-6)
+        assert r["grad_max_diff"] < 1e-6

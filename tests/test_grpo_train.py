@@ -146,34 +146,52 @@ def test_held_out_eval_is_the_mean_reward_of_greedy_replies(tiny, tmp_path):
     assert evals[0]["eval_rewards/has_e/mean"] == pytest.approx(sum(judged) / len(judged))
 
 
-@pytest.mark.slow
-def test_two_ranks_match_one_process(tiny, tmp_path):
-    """2 gloo ranks with grad_accum 1 each against one process with grad_accum 2: each prompt
-    batch samples with the seed of its place in the global window, so the completions, the
-    rewards, the step's normaliser and the update are the same; so is the held-out reward,
-    each rank replying to its share of the eval prompts."""
-    from test_distributed import check, torchrun
-
-    out = tmp_path / "single"
+def two_rank_config(tiny, out):
     raw = grpo_config(tiny, out)
     raw["lora"]["dropout"] = 0.0  # each rank draws its own dropout masks
     raw["data"]["eval"] = raw["data"]["train"]
     raw["train"]["eval_every"] = 2
-    train(config_from_dict(raw))
-    raw = {**raw, "output_dir": str(tmp_path / "ddp")}
-    raw["train"] = {**raw["train"], "grad_accum": 1, "parallel": "ddp", "dist_timeout_s": 60}
+    raw["train"]["sample_prompts"] = ["What color is the sky?", "Hi!"]
+    return raw
+
+
+@pytest.fixture(scope="module")
+def single(tiny, tmp_path_factory):
+    """The one-process run the 2-rank runs must repeat."""
+    out = tmp_path_factory.mktemp("single")
+    train(config_from_dict(two_rank_config(tiny, out)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(tiny, single, tmp_path, mode):
+    """2 gloo ranks with grad_accum 1 each against one process with grad_accum 2: each prompt
+    batch samples with the seed of its place in the global window, so the completions, the
+    rewards, the step's normaliser and the update are the same; so is the held-out reward,
+    each rank replying to its share of the eval prompts, and so are the replies to
+    train.sample_prompts. Under FSDP2 the ranks decode
+    different numbers of tokens on weights gathered once per rollout and eval
+    (distributed.gathered_for_generation); a per-layer all-gather would deadlock."""
+    from test_distributed import check, torchrun
+
+    raw = two_rank_config(tiny, tmp_path / mode)
+    raw["train"] = {**raw["train"], "grad_accum": 1, "parallel": mode, "dist_timeout_s": 60}
     check(torchrun(raw, tmp_path, timeout=240))
-    want = {r["step"]: r for r in lines(out) if "loss" in r}
-    got = {r["step"]: r for r in lines(tmp_path / "ddp") if "loss" in r}
+    want = {r["step"]: r for r in lines(single) if "loss" in r}
+    got = {r["step"]: r for r in lines(tmp_path / mode) if "loss" in r}
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:
         for key in ("loss", "reward", "reward_std", "completions/mean_length"):
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4)
-    want = {r["step"]: r["eval_reward"] for r in lines(out) if "eval_reward" in r}
-    got = {r["step"]: r["eval_reward"] for r in lines(tmp_path / "ddp") if "eval_reward" in r}
+    want = {r["step"]: r["eval_reward"] for r in lines(single) if "eval_reward" in r}
+    got = {r["step"]: r["eval_reward"] for r in lines(tmp_path / mode) if "eval_reward" in r}
     assert sorted(got) == [0, 2, 4] and got == pytest.approx(want, abs=1e-5)
-    assert_same_adapter(tmp_path / "ddp", out, atol=2e-5, rtol=1e-4)
+    want = {r["step"]: r["samples"] for r in lines(single) if "samples" in r}
+    got = {r["step"]: r["samples"] for r in lines(tmp_path / mode) if "samples" in r}
+    assert sorted(got) == [0, 2, 4] and got == want  # train.sample_prompts' greedy replies
+    assert_same_adapter(tmp_path / mode, single, atol=2e-5, rtol=1e-4)
 
 
 def assert_same_adapter(got_dir, want_dir, *, atol: float, rtol: float) -> None:

@@ -100,15 +100,6 @@ class GRPO:
         """The KL reference (beta > 0), before any data-parallel wrapping."""
         from slipstream.objectives.reference import build_reference
 
-        t = cfg.train
-        if dist.world_size() > 1 and dist.resolve_mode(
-            t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
-            optimizer=t.optimizer,
-        ) == "fsdp":  # fmt: skip
-            raise ValueError(
-                "train.objective=grpo runs under torchrun with DDP only (ranks generate "
-                "different lengths; FSDP2 needs equal forwards): set train.parallel=ddp"
-            )
         if self.beta > 0:
             self.reference = build_reference(
                 model, full=self.full, reference=self.options.reference,
@@ -171,14 +162,16 @@ class GRPO:
         examples = [ex for b in window for ex in b.examples]
         start = time.perf_counter()
         rows = []
-        for b, seed in zip(window, seeds, strict=True):
-            rows += engine.run(
-                model, [ex.prompt_ids for ex in b.examples], samples_per_prompt=G,
-                max_new_tokens=g.max_completion_tokens, logprobs=False,
-                sampling=Sampling(g.temperature, g.top_p), stop_ids=stop_token_ids(tokenizer),
-                max_positions=model.config.hf.get("max_position_embeddings"),
-                generator=torch.Generator(device).manual_seed(seed),
-            )  # fmt: skip
+        with dist.gathered_for_generation(model):  # FSDP2: no collective while decoding
+            for b, seed in zip(window, seeds, strict=True):
+                rows += engine.run(
+                    model, [ex.prompt_ids for ex in b.examples], samples_per_prompt=G,
+                    max_new_tokens=g.max_completion_tokens, logprobs=False,
+                    sampling=Sampling(g.temperature, g.top_p),
+                    stop_ids=stop_token_ids(tokenizer),
+                    max_positions=model.config.hf.get("max_position_embeddings"),
+                    generator=torch.Generator(device).manual_seed(seed),
+                )  # fmt: skip
         gen_s = time.perf_counter() - start
         completions = [r.token_ids for r in rows]
         rewards_SF = self.score(tokenizer, examples, completions)
@@ -231,15 +224,17 @@ class GRPO:
 
         model, tokenizer = run.model, run.tokenizer
         parts = [torch.zeros(0, len(self.rewards.names))]
-        for batch in run.data.eval_batches[dist.rank() :: dist.world_size()]:
-            examples = [run.data.eval[i] for i in batch]
-            rows = engine.run(
-                model, [ex.prompt_ids for ex in examples], logprobs=False,
-                max_new_tokens=self.options.max_completion_tokens, sampling=Sampling(0.0),
-                stop_ids=stop_token_ids(tokenizer),
-                max_positions=model.config.hf.get("max_position_embeddings"),
-            )  # fmt: skip
-            parts.append(self.score(tokenizer, examples, [r.token_ids for r in rows], 1))
+        # Ranks may hold one eval batch more than others: FSDP2 gathers once around them all.
+        with dist.gathered_for_generation(model):
+            for batch in run.data.eval_batches[dist.rank() :: dist.world_size()]:
+                examples = [run.data.eval[i] for i in batch]
+                rows = engine.run(
+                    model, [ex.prompt_ids for ex in examples], logprobs=False,
+                    max_new_tokens=self.options.max_completion_tokens, sampling=Sampling(0.0),
+                    stop_ids=stop_token_ids(tokenizer),
+                    max_positions=model.config.hf.get("max_position_embeddings"),
+                )  # fmt: skip
+                parts.append(self.score(tokenizer, examples, [r.token_ids for r in rows], 1))
         r_SF = torch.cat([r for rank in dist.gather_objects(parts) for r in rank])
         reward = float(self.rewards.total(r_SF).nanmean())
         per_function = {

@@ -4,7 +4,7 @@ model says as well as its loss.
 
 Each prompt is a user message through the tokenizer's chat template (plain text when the
 tokenizer has none). Greedy, so replies change only when the weights do. Under torchrun every
-rank generates (an FSDP forward needs all of them; greedy keeps their step counts equal) and
+rank generates (FSDP2 gathers the weights on all of them first, `gathered_for_generation`) and
 rank 0 logs.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from slipstream.distributed import gathered_for_generation
 from slipstream.generation.api import generate
 from slipstream.generation.commands import as_prompt
 
@@ -25,7 +26,8 @@ def sample_replies(
     if not prompts:
         return []
     chats = [as_prompt(p, tokenizer, raw=False) for p in prompts]
-    out = generate(model, chats, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
+    with gathered_for_generation(model):
+        out = generate(model, chats, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
     return [{"prompt": p, "reply": c.text.strip()} for p, c in zip(prompts, out, strict=True)]
 
 
