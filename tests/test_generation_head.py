@@ -92,3 +92,16 @@ def _hf_with_merged(ours, hf):
             state[name + ".weight"] = state[name + ".weight"] + delta
     hf.load_state_dict(state)
     return hf
+
+
+def test_tensor_subclasses_are_not_packed():
+    """An FSDP2 shard is a DTensor: packing its local shard would compute the wrong product."""
+
+    class Shard(torch.Tensor):
+        pass
+
+    model = nn.Linear(64, 64)
+    model.weight = nn.Parameter(model.weight.detach().as_subclass(Shard), requires_grad=False)
+    assert not packed_linear._eligible(model.weight, 4)
+    with torch.no_grad(), packed_linears(model, model.weight, 4):
+        assert "forward" not in vars(model)

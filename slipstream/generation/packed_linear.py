@@ -56,7 +56,9 @@ def _free_bytes() -> int | None:
 
 
 def _eligible(W: torch.Tensor, rows: int) -> bool:
-    on_cpu = W.device.type == "cpu" and W.dtype == torch.float32
+    # A plain tensor: not an FSDP2 shard (a DTensor) nor any other subclass.
+    plain = type(W) in (torch.Tensor, nn.Parameter)
+    on_cpu = plain and W.device.type == "cpu" and W.dtype == torch.float32
     return on_cpu and (rows > 1 or W.numel() >= SMALL_WEIGHT)
 
 
