@@ -183,3 +183,45 @@ def test_eval_keeps_no_autograd_graph(tiny, tmp_path, monkeypatch):
     train(config_from_dict(dpo_config(tiny, tmp_path / "dpo", steps=1)))
     assert {grad for training, grad in seen if training} == {True}
     assert {grad for training, grad in seen if not training} == {False}
+
+
+@pytest.mark.parametrize("reference", ["start", "base"])
+def test_fsdp_two_ranks_match_one_process(tiny, tmp_path, reference):
+    """DPO with LoRA from a (non-zero) adapter under FSDP2, 2 gloo ranks with grad_accum 1
+    against one process with grad_accum 2: the same losses, rewards, grad norms, eval and
+    adapter. `start` writes the frozen starting adapter into each rank's shards for the
+    reference forward; its adapter also targets lm_head, a weight of FSDP2's root, which
+    keeps it gathered after a forward. `base` swaps each adapter module for its base layer."""
+    from test_distributed import adapter, check, torchrun
+
+    model_dir, pairs, start, sft_data = tiny
+    if reference == "start":
+        start = tmp_path / "sft"
+        raw = run_config((model_dir, sft_data), start, steps=3)
+        raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8,
+                       "targets": ["q_proj", "v_proj", "down_proj", "lm_head"]}  # fmt: skip
+        train(config_from_dict(raw))
+
+    def config(out, **options):
+        raw = dpo_config((model_dir, pairs, start, sft_data), out, **options)
+        raw["preference"] = {"reference": reference}
+        return raw
+
+    train(config_from_dict(config(tmp_path / "single", grad_accum=2)))
+    raw = config(tmp_path / "fsdp", grad_accum=1, parallel="fsdp", dist_timeout_s=60)
+    check(torchrun(raw, tmp_path, timeout=240))
+    want, got = records(tmp_path / "single"), records(tmp_path / "fsdp")
+    assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(got) >= 5
+    for rw, rg in zip(want, got, strict=True):
+        for key in ("loss", "eval_loss", "rewards/margins", "eval_rewards/margins"):
+            if key in rw:
+                assert rg[key] == pytest.approx(rw[key], abs=1e-5), (rw["step"], key)
+        if "grad_norm" in rw:
+            assert rg["grad_norm"] == pytest.approx(rw["grad_norm"], rel=1e-4), rw["step"]
+    # The reference differs from the policy once it moved: the margins are not all zero.
+    assert max(abs(r.get("rewards/margins", 0.0)) for r in want) > 1e-3
+    a, b = adapter(tmp_path / "single"), adapter(tmp_path / "fsdp")
+    assert a.keys() == b.keys() and len(a) > 0
+    assert any("lm_head" in name for name in a) == (reference == "start")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4)

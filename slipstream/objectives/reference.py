@@ -9,7 +9,8 @@ Three kinds, chosen by `build_reference`:
 - "start" (LoRA/DoRA started from `model.adapter`, `reference: start`): a frozen snapshot
   of the trainable adapter tensors taken before the first step (TRL's reference when the
   starting adapter is also loaded under the name "ref"); for the reference forward the
-  live tensors and the snapshot trade places. Costs one copy of the adapter, not the base.
+  live tensors and the snapshot trade values, in place (under FSDP2, in each rank's
+  shard). Costs one copy of the adapter, not the base.
 - "copy" (full fine-tuning): a frozen deep copy of the model taken before training (or no
   reference at all when its log-probs are precomputed, `preference.precompute_reference`).
 
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def adapter_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -60,11 +62,10 @@ class ReferencePolicy:
         if kind not in ("base", "start", "copy"):
             raise ValueError(f"reference kind {kind!r}: use base, start or copy")
         self.model, self.kind = model, kind
-        self.frozen: list[torch.Tensor] = []
+        self.frozen: dict[str, torch.Tensor] = {}
         self.copy: nn.Module | None = None
-        if kind == "start":
-            self.params = [p for p in model.parameters() if p.requires_grad]
-            self.frozen = [p.detach().clone() for p in self.params]
+        if kind == "start":  # by name: FSDP2 replaces the parameter objects after this
+            self.frozen = {n: p.detach().clone() for n, p in trainable(model)}
         elif kind == "copy":
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
 
@@ -90,10 +91,35 @@ class ReferencePolicy:
             target.train(was_training)
 
     def _swap(self) -> None:
-        for p, frozen in zip(self.params, self.frozen, strict=True):
-            live = p.data
-            p.data = frozen
-            frozen.data = live
+        """Trade the values of the trainable tensors and the snapshot, in place.
+
+        In place, not by `p.data = frozen`: FSDP2 (wrap_model, after the snapshot) replaces
+        each parameter by a sharded DTensor and all-gathers from its own buffer, which only
+        a write into this rank's shard (`to_local`, a view of that buffer) reaches.
+        """
+        from slipstream.distributed import is_sharded
+
+        params = trainable(self.model)
+        if is_sharded(self.model) and not all(isinstance(p, DTensor) for _, p in params):
+            # The root keeps its weights gathered after a forward; with LoRA on one of them
+            # (lm_head) they would be stale: reshard, so its next forward gathers the swap.
+            self.model.reshard()
+            params = trainable(self.model)
+        for name, p in params:
+            live, frozen = p.data, self.frozen[name]
+            if isinstance(live, DTensor):
+                if not isinstance(frozen, DTensor):  # the first swap since sharding
+                    frozen = distribute_tensor(frozen, live.device_mesh, live.placements,
+                                               src_data_rank=None)  # fmt: skip
+                    self.frozen[name] = frozen  # this rank's shard; no communication
+                live, frozen = live.to_local(), frozen.to_local()
+            spare = live.clone()
+            live.copy_(frozen)
+            frozen.copy_(spare)
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def build_reference(model: nn.Module, *, full: bool, reference: str, from_adapter: bool):
