@@ -3,8 +3,8 @@ functions loaded by path, tests/helpers/grpo_rewards.py) logs the
 rollout and loss metrics and saves an adapter; a run stopped by a signal and resumed gives
 the same losses and adapter as one uninterrupted run (rollouts are seeded per step); with
 mu = 2 each rollout serves two optimizer steps; data.eval gives the mean reward of greedy
-replies. Slow: 2 ranks (DDP, FSDP2; FSDP2 full fine-tuning with mu = 2 and a KL term) equal
-one process."""
+replies; FSDP2 LoRA from an adapter with mu = 2 and a KL term equals one process. Slow: 2
+ranks (DDP, FSDP2; FSDP2 full fine-tuning with mu = 2 and a KL term) equal one process."""
 
 from __future__ import annotations
 
@@ -207,6 +207,36 @@ def test_fsdp_full_finetune_with_mu_two_and_kl_matches_one_process(tiny, tmp_pat
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4)
+
+
+def test_fsdp_lora_from_an_adapter_with_kl_matches_one_process(tiny, tmp_path):
+    """LoRA from a non-zero adapter (on lm_head too: a weight FSDP2's root keeps gathered
+    after a forward) with beta > 0 and mu = 2: the reference is the frozen start, written
+    into each rank's shards for its forward. 2 ranks equal one process, the KL included."""
+    from helpers.runs import run_config
+    from test_distributed import check, torchrun
+
+    start = tmp_path / "sft"
+    model_dir = tiny[0]
+    raw = run_config((model_dir, model_dir.parent / "train.jsonl"), start, steps=3)
+    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "lm_head"]}
+    train(config_from_dict(raw))
+
+    def config(out):
+        raw = two_rank_config(tiny, out)
+        raw["model"]["adapter"] = str(start)
+        raw["grpo"].update(iterations_per_batch=2, beta=0.05)
+        raw["train"].update(save_every=0)
+        return raw
+
+    train(config_from_dict(config(tmp_path / "single")))
+    raw = config(tmp_path / "fsdp")
+    raw["train"].update(grad_accum=1, parallel="fsdp", dist_timeout_s=60)
+    check(torchrun(raw, tmp_path, timeout=240))
+    assert_same_grpo_run(tmp_path / "fsdp", tmp_path / "single", ("loss", "kl"))
+    kl = [r["kl"] for r in lines(tmp_path / "single") if "kl" in r]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and min(kl[2:]) > 1e-3  # the policy moved
+    assert_same_adapter(tmp_path / "fsdp", tmp_path / "single", atol=2e-5, rtol=1e-4)
 
 
 def assert_same_grpo_run(got_dir, want_dir, keys) -> None:
