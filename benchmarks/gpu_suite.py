@@ -50,6 +50,7 @@ import torch
 
 from slipstream.debug import count_syncs
 from slipstream.ops.packing import SeqInfo
+from slipstream.rewards.functions import RewardFunctions
 
 H200_PEAK = 989e12
 LORA = dict(rank=16, alpha=32)
@@ -262,7 +263,10 @@ class _NoTextTokenizer:
 
 
 class _RandomRewards:
+    """One reward function of random scores; summed as the trainer's rewards are."""
+
     names, weights = ["random"], [1.0]
+    total = RewardFunctions.total
 
     def __call__(self, prompts, completions, columns, rows, **kwargs):
         return torch.rand(len(completions), 1, generator=torch.Generator().manual_seed(0))
