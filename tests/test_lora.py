@@ -164,6 +164,14 @@ def test_bad_arguments_are_one_line_value_errors():
         save_adapter(_base("llama"), "/tmp/unused")
 
 
+def test_lora_on_lm_head_is_refused():
+    """The loss reads the head's weight directly: factors there would silently never train."""
+    model = _base("llama")
+    with pytest.raises(ValueError, match="LoRA on lm_head is not supported") as e:
+        apply_lora(model, targets=["q_proj", "lm_head"])
+    assert "\n" not in str(e.value) and type(model.lm_head) is nn.Linear
+
+
 def test_load_errors_name_the_tensor_or_file(tmp_path):
     base = _base("llama")
     with pytest.raises(ValueError, match="adapter_config.json not found"):

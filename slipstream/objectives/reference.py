@@ -97,15 +97,7 @@ class ReferencePolicy:
         each parameter by a sharded DTensor and all-gathers from its own buffer, which only
         a write into this rank's shard (`to_local`, a view of that buffer) reaches.
         """
-        from slipstream.distributed import is_sharded
-
-        params = trainable(self.model)
-        if is_sharded(self.model) and not all(isinstance(p, DTensor) for _, p in params):
-            # The root keeps its weights gathered after a forward; with LoRA on one of them
-            # (lm_head) they would be stale: reshard, so its next forward gathers the swap.
-            self.model.reshard()
-            params = trainable(self.model)
-        for name, p in params:
+        for name, p in trainable(self.model):
             live, frozen = p.data, self.frozen[name]
             if isinstance(live, DTensor):
                 if not isinstance(frozen, DTensor):  # the first swap since sharding

@@ -219,6 +219,13 @@ def wrap_lora(
     if isinstance(linear, re.Pattern):
         linears = _regex_matches(model, linears, linear)
         linear = {attr for _, _, attr, _ in linears}
+    if "lm_head" in linear:
+        # The loss, log-probs and generation read the head's weight directly (chunked
+        # cross-entropy, `lm_head_weight`): factors on it would never be used or trained.
+        raise ValueError(
+            "LoRA on lm_head is not supported: the loss reads the head's weight directly, so "
+            "its factors would never train; drop lm_head from the lora targets"
+        )
     for _, parent, attr, module in linears:
         if attr in linear:
             setattr(parent, attr, wrapper(module, rank, alpha, dropout, use_rslora))
