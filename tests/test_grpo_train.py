@@ -188,7 +188,6 @@ def test_fsdp_full_finetune_with_mu_two_and_kl_matches_one_process(tiny, tmp_pat
     """Full fine-tuning (FSDP2 shards every weight) with mu = 2 (old log-probs) and beta > 0
     (the reference a frozen copy): 2 ranks equal one process, the KL and the saved model
     included."""
-    from test_distributed import check, torchrun
 
     def config(out):
         raw = two_rank_config(tiny, out)
@@ -197,11 +196,7 @@ def test_fsdp_full_finetune_with_mu_two_and_kl_matches_one_process(tiny, tmp_pat
         raw["train"].update(lr=1e-3, save_every=0)
         return raw
 
-    train(config_from_dict(config(tmp_path / "single")))
-    raw = config(tmp_path / "fsdp")
-    raw["train"].update(grad_accum=1, parallel="fsdp", dist_timeout_s=60)
-    check(torchrun(raw, tmp_path, timeout=240))
-    assert_same_grpo_run(tmp_path / "fsdp", tmp_path / "single", ("loss", "kl"))
+    single_and_fsdp(config, tmp_path)
     want = load_file(tmp_path / "single" / "model.safetensors")
     got = load_file(tmp_path / "fsdp" / "model.safetensors")
     assert got.keys() == want.keys()
@@ -214,7 +209,6 @@ def test_fsdp_lora_from_an_adapter_with_kl_matches_one_process(tiny, tmp_path):
     start, written into each rank's shards for its forward. 2 ranks equal one process, the
     KL included."""
     from helpers.runs import run_config
-    from test_distributed import check, torchrun
 
     start = tmp_path / "sft"
     model_dir = tiny[0]
@@ -229,14 +223,22 @@ def test_fsdp_lora_from_an_adapter_with_kl_matches_one_process(tiny, tmp_path):
         raw["train"].update(save_every=0)
         return raw
 
+    single_and_fsdp(config, tmp_path)
+    kl = [r["kl"] for r in lines(tmp_path / "single") if "kl" in r]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and min(kl[2:]) > 1e-3  # the policy moved
+    assert_same_adapter(tmp_path / "fsdp", tmp_path / "single", atol=2e-5, rtol=1e-4)
+
+
+def single_and_fsdp(config, tmp_path) -> None:
+    """`config(out)` run in one process and on 2 FSDP2 ranks (grad_accum 1): the same losses,
+    KL and the rest of `assert_same_grpo_run`."""
+    from test_distributed import check, torchrun
+
     train(config_from_dict(config(tmp_path / "single")))
     raw = config(tmp_path / "fsdp")
     raw["train"].update(grad_accum=1, parallel="fsdp", dist_timeout_s=60)
     check(torchrun(raw, tmp_path, timeout=240))
     assert_same_grpo_run(tmp_path / "fsdp", tmp_path / "single", ("loss", "kl"))
-    kl = [r["kl"] for r in lines(tmp_path / "single") if "kl" in r]
-    assert kl[0] == pytest.approx(0.0, abs=1e-6) and min(kl[2:]) > 1e-3  # the policy moved
-    assert_same_adapter(tmp_path / "fsdp", tmp_path / "single", atol=2e-5, rtol=1e-4)
 
 
 def assert_same_grpo_run(got_dir, want_dir, keys) -> None:
