@@ -130,10 +130,10 @@ def test_gpu_suite_dry_run_dense(tmp_path, capsys):
     assert 0 < gen["syncs/generate"] <= gen["checks bound"]  # one sync a stop check, no more
 
 
-def test_gpu_suite_dry_run_grpo_row(capsys):
+def test_gpu_suite_dry_run_grpo_row(tmp_path, capsys):
     """The Qwen3-0.6B rows, the GRPO step among them (~10 s): the GPU session must not meet a
     row that broke on the CPU first (its reward stub once lacked `total`)."""
-    rows = gpu_suite.main(["--dry-run", "--only", "qwen3-0.6b"])
+    rows = gpu_suite.main(["--dry-run", "--only", "qwen3-0.6b", "--out", str(tmp_path / "s.json")])
     check_suite_rows(rows, capsys.readouterr().out, {"qwen3-0.6b"})
     assert any(r["variant"].startswith("GRPO step") for r in rows)
 
