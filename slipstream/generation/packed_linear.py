@@ -70,7 +70,8 @@ def packed_linears(model: nn.Module, head_W: torch.Tensor, rows: int):
     # in the prefill's one call, less than it costs.
     linears = [m for m in model.modules()
                if type(m) is nn.Linear and _eligible(m.weight, rows)]  # fmt: skip
-    weights = [m.weight for m in linears] + ([head_W] if _eligible(head_W, rows) else [])
+    head_ok = _eligible(head_W, rows)
+    weights = [m.weight for m in linears] + ([head_W] if head_ok else [])
     need = sum(W.numel() * W.element_size() for W in weights)
     free = _free_bytes()
     if torch.is_grad_enabled() or not weights or not available() or (free and need > free / 2):
@@ -78,7 +79,7 @@ def packed_linears(model: nn.Module, head_W: torch.Tensor, rows: int):
         return
     for m in linears:
         m.forward = _packed_forward(m, pack(m.weight, rows))
-    head_P = pack(head_W, rows) if _eligible(head_W, rows) else None
+    head_P = pack(head_W, rows) if head_ok else None
     try:
         yield lambda h_BD: linear(h_BD, head_W, head_P)
     finally:

@@ -154,24 +154,17 @@ class GRPO:
 
     def generate_batches(self, model, tokenizer, window, device, *, seeds: list[int]):
         """Generate (each prompt batch with its seed), score, pack (module docstring)."""
-        from slipstream.generation import engine
-        from slipstream.generation.api import stop_token_ids
         from slipstream.generation.sampling import Sampling
 
         g, G = self.options, self.G
         examples = [ex for b in window for ex in b.examples]
+        sampling = Sampling(g.temperature, g.top_p)
         start = time.perf_counter()
         rows = []
         with dist.gathered_for_generation(model):  # FSDP2: no collective while decoding
             for b, seed in zip(window, seeds, strict=True):
-                rows += engine.run(
-                    model, [ex.prompt_ids for ex in b.examples], samples_per_prompt=G,
-                    max_new_tokens=g.max_completion_tokens, logprobs=False,
-                    sampling=Sampling(g.temperature, g.top_p),
-                    stop_ids=stop_token_ids(tokenizer),
-                    max_positions=model.config.hf.get("max_position_embeddings"),
-                    generator=torch.Generator(device).manual_seed(seed),
-                )  # fmt: skip
+                generator = torch.Generator(device).manual_seed(seed)
+                rows += self._complete(model, tokenizer, b.examples, sampling, G, generator)
         gen_s = time.perf_counter() - start
         completions = [r.token_ids for r in rows]
         rewards_SF = self.score(tokenizer, examples, completions)
@@ -196,6 +189,19 @@ class GRPO:
         rollout["seconds"] = time.perf_counter() - start  # generation, rewards, log-probs
         return batches, rollout
 
+    def _complete(self, model, tokenizer, examples, sampling, per_prompt=1, generator=None):
+        """`per_prompt` completions of each example's prompt (no log-probs: the policy's come
+        from the packed forward), up to max_completion_tokens or a stop token."""
+        from slipstream.generation import engine
+        from slipstream.generation.api import stop_token_ids
+
+        return engine.run(
+            model, [ex.prompt_ids for ex in examples], samples_per_prompt=per_prompt,
+            max_new_tokens=self.options.max_completion_tokens, logprobs=False,
+            sampling=sampling, stop_ids=stop_token_ids(tokenizer), generator=generator,
+            max_positions=model.config.hf.get("max_position_embeddings"),
+        )  # fmt: skip
+
     def score(self, tokenizer, examples: list[PromptExample], completions,
               per_prompt: int | None = None) -> torch.Tensor:  # fmt: skip
         """(S, F) rewards of the completions, `per_prompt` (default G) a prompt in order
@@ -218,8 +224,6 @@ class GRPO:
         per eval prompt, one eval batch of prompts at a time; under torchrun each rank its
         share, gathered. `loss` is minus the mean reward, so `train.save_best` keeps the
         best-reward weights."""
-        from slipstream.generation import engine
-        from slipstream.generation.api import stop_token_ids
         from slipstream.generation.sampling import Sampling
 
         model, tokenizer = run.model, run.tokenizer
@@ -228,12 +232,7 @@ class GRPO:
         with dist.gathered_for_generation(model):
             for batch in run.data.eval_batches[dist.rank() :: dist.world_size()]:
                 examples = [run.data.eval[i] for i in batch]
-                rows = engine.run(
-                    model, [ex.prompt_ids for ex in examples], logprobs=False,
-                    max_new_tokens=self.options.max_completion_tokens, sampling=Sampling(0.0),
-                    stop_ids=stop_token_ids(tokenizer),
-                    max_positions=model.config.hf.get("max_position_embeddings"),
-                )  # fmt: skip
+                rows = self._complete(model, tokenizer, examples, Sampling(0.0))
                 parts.append(self.score(tokenizer, examples, [r.token_ids for r in rows], 1))
         r_SF = torch.cat([r for rank in dist.gather_objects(parts) for r in rank])
         reward = float(self.rewards.total(r_SF).nanmean())

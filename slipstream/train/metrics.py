@@ -158,7 +158,8 @@ def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | N
     plt = _pyplot()
     if plt is None:
         return None
-    records = [r for r in read_metrics(metrics_path) if "reward" in r]
+    everything = read_metrics(metrics_path)
+    records = [r for r in everything if "reward" in r]
     if not records:
         return None
     steps = [r["step"] for r in records]
@@ -174,8 +175,7 @@ def plot_rewards(metrics_path: Path, out_png: Path, window: int = 5) -> Path | N
         key = f"rewards/{name}/mean"
         ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), color=f"C{i}",
                 lw=1, ls="--", label=name)  # fmt: skip
-    held_out = [(r["step"], r["eval_reward"]) for r in read_metrics(metrics_path)
-                if "eval_reward" in r]  # fmt: skip
+    held_out = [(r["step"], r["eval_reward"]) for r in everything if "eval_reward" in r]
     if held_out:
         ax.plot(*zip(*held_out), color="k", marker="o", label="held-out reward (greedy)")
     return _save_plot(plt, fig, ax, "mean reward of the step's completions", out_png)
