@@ -83,3 +83,25 @@ def test_split_by_fraction_is_seeded_and_disjoint(tmp_path):
 def test_no_split_without_a_fraction(tmp_path):
     train, held = load_split(_jsonl(tmp_path / "t.jsonl", ROWS))
     assert len(train) == 20 and held is None
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_utf8_bom_is_read(tmp_path, suffix):
+    # Windows editors save UTF-8 with a byte-order mark; the rows and column names are the same.
+    path = tmp_path / f"bom{suffix}"
+    text = {
+        ".jsonl": "".join(json.dumps(r) + "\n" for r in ROWS),
+        ".json": json.dumps(ROWS),
+        ".csv": "prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in ROWS),
+    }[suffix]
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert load_rows(str(path)).to_list() == ROWS
+
+
+def test_cut_off_json_line_names_its_real_column(tmp_path):
+    cut = '{"prompt": "q1", "completion": "a1", "x":'  # the line ends where a value should be
+    path = tmp_path / "cut.jsonl"
+    path.write_text(f'{{"prompt": "q0", "completion": "a0"}}\n{cut}\n{{"prompt": "q2"}}\n')
+    at = rf"cut\.jsonl:2: invalid JSON \(Expecting value at column {len(cut) + 1}\)"
+    with pytest.raises(ValueError, match=at):
+        load_rows(str(path))

@@ -80,3 +80,11 @@ def test_chat_streams_replies_over_turns(tiny_run, monkeypatch, capsys):
     ref2, _ = _api(model_dir, [second], max_new_tokens=7)
     replies = [part.split("\n")[0] for part in out.split("assistant> ")[1:]]
     assert replies == [ref1[0].text, ref2[0].text]
+
+
+def test_prompts_file_with_a_byte_order_mark(tmp_path):
+    from slipstream.generation.commands import read_jsonl
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Hi"}\n{"prompt": "Bye"}\n')
+    assert read_jsonl(path) == [(1, {"prompt": "Hi"}), (2, {"prompt": "Bye"})]

@@ -48,15 +48,16 @@ def _read_jsonl(path: Path) -> list[dict]:
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
+                # utf-8-sig on line 1: a byte-order mark (Windows editors write one) is no data
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(
                     f"{path}:{lineno}: not UTF-8 text ({e.reason}); re-encode the file as UTF-8."
                 ) from None
             if not text.strip():
                 continue
-            try:
-                row = json.loads(text)
+            try:  # without its newline, or a cut-off line's error is at "line 2 column 1"
+                row = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})."
@@ -72,7 +73,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 def _read_json(path: Path) -> list[dict]:
     _check_utf8(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is no data
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})."

@@ -90,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:
