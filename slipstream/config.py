@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import re
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +30,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from slipstream.objectives import OBJECTIVES  # names only: no torch import
 
 
 class _Section(BaseModel):
@@ -103,8 +107,10 @@ class LoraSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: str = _opt(
-        "sft", "what the loss is: sft (labelled tokens); see slipstream/objectives/"
+    objective: str = Field(
+        "sft",
+        description="what the loss is (slipstream/objectives/; docs/preference.md, docs/grpo.md)",
+        json_schema_extra={"choices": list(OBJECTIVES)},  # `slipstream config` lists them
     )
     lr: float = _opt(2e-4, "peak learning rate", gt=0)
     schedule: Literal["linear", "cosine", "constant"] = _opt("cosine", "lr schedule after warmup")
@@ -163,8 +169,6 @@ class TrainSection(_Section):
     @field_validator("objective")
     @classmethod
     def _known_objective(cls, value: str) -> str:
-        from slipstream.objectives import OBJECTIVES
-
         if value not in OBJECTIVES:
             raise ValueError(f"unknown objective; use one of {', '.join(OBJECTIVES)}")
         return value
@@ -453,10 +457,28 @@ def describe_config(section: str | None = None) -> str:
             continue
         rows.append((f"{name}:", "", field.description or ""))
         for key, f in sub.model_fields.items():
-            rows.append((f"  {key}", _default_text(f), f.description or ""))
+            rows.append((f"  {key}", _default_text(f), _meaning(f)))
     width = max(len(k) for k, _, _ in rows) + 2
     dwidth = max(len(d) for _, d, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{d:<{dwidth}}{m}".rstrip() for k, d, m in rows)
+
+
+def _choices(annotation: Any) -> list[str]:
+    """The values of the Literals in a type (`Literal[...]`, `list[Literal[...]] | None`)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return [c for arg in typing.get_args(annotation) for c in _choices(arg)]
+
+
+def _meaning(field: Any) -> str:
+    """A field's description, with its allowed values when it has a fixed set (a Literal,
+    or a registry's names) that the description does not already spell out."""
+    text = field.description or ""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    values = list(extra.get("choices") or _choices(field.annotation))
+    if any(not re.search(rf"(?<![\w-]){re.escape(v)}(?![\w-])", text) for v in values):
+        text += f" [{' | '.join(values)}]"
+    return text
 
 
 def _default_text(field: Any) -> str:

@@ -173,3 +173,51 @@ def test_example_configs_validate():
     for path in configs:
         cfg = load_config(path)
         assert cfg.output_dir
+
+
+def test_config_command_lists_every_choice():
+    # `slipstream config` names the values of every key that has a fixed set: the objectives
+    # of the registry and each Literal's values (read here from the models, not copied).
+    import re
+    import typing
+
+    from slipstream.config import RunConfig, _section_type, describe_config
+    from slipstream.objectives import OBJECTIVES
+
+    def choices(annotation):
+        if typing.get_origin(annotation) is typing.Literal:
+            return list(typing.get_args(annotation))
+        return [c for arg in typing.get_args(annotation) for c in choices(arg)]
+
+    checked = 0
+    for name, field in RunConfig.model_fields.items():
+        section = _section_type(field.annotation)
+        if section is None:
+            continue
+        lines = {line.split()[0]: line for line in describe_config(name).splitlines()[1:]}
+        for key, f in section.model_fields.items():
+            wanted = (
+                list(OBJECTIVES) if (name, key) == ("train", "objective") else choices(f.annotation)
+            )
+            for value in wanted:
+                assert re.search(rf"(?<![\w-]){value}(?![\w-])", lines[key]), (key, value)
+                checked += 1
+    assert checked > 30
+
+
+def test_data_folder_is_ignored_but_no_tracked_folder(tmp_path):
+    # configs/smollm2_dpo.yaml's helper writes data/pairs/ at the repository root.
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        run = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=root)
+        return run.returncode == 0
+
+    assert ignored("data/pairs/train.jsonl")
+    assert not ignored("tests/data/rows.jsonl") and not ignored("slipstream/data/formats.py")
