@@ -151,6 +151,15 @@ async def later(completions, **kwargs):
 def needs_solution(completions, solution, **kwargs):
     return [0.0] * len(completions)
 
+def myreward(x):
+    return [0.0] * len(x)
+
+def reads_prompts_only(prompts, answer):
+    return [0.0] * len(prompts)
+
+def positional(completions, /, **kwargs):
+    return [0.0] * len(completions)
+
 not_a_function = 3
 """
 
@@ -310,12 +319,31 @@ def test_builtin_errors_at_call():
         score([{"function": "length", "budget": 4}], ["abc"])
 
 
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("myreward", r"myreward\(x\) takes no completions"),
+        ("reads_prompts_only", r"reads_prompts_only\(prompts, answer\) takes no completions"),
+        ("positional", r"positional\(completions, /, \*\*kwargs\) takes 'completions' "
+         r"by position only"),
+    ],
+)  # fmt: skip
+def test_wrong_signature_names_the_expected_one(user_file, name, match):
+    # Not "the data lacks column x": the function is called with keyword arguments.
+    with pytest.raises(ValueError, match=rf"grpo.rewards\[0\] \(my_rewards.py:{name}\): {match}"):
+        build_rewards([f"{user_file}:{name}"])
+    with pytest.raises(ValueError, match=r"\(completions, \*\*kwargs\)") as e:
+        build_rewards([f"{user_file}:{name}"])
+    assert "\n" not in str(e.value)
+
+
 def test_building_does_not_import_torch(tmp_path):
     # Config validation builds the rewards before the CLI imports torch.
+    (tmp_path / "module_rewards.py").write_text("def short(completions, **kw):\n    return []\n")
     code = textwrap.dedent("""
         import sys
         from slipstream.rewards import build_rewards
-        build_rewards(["accuracy", {"function": "format", "pattern": "x"}, "math:floor"])
+        build_rewards(["accuracy", {"function": "format", "pattern": "x"}, "module_rewards:short"])
         assert "torch" not in sys.modules, "torch imported"
     """)
     done = subprocess.run(

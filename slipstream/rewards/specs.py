@@ -71,7 +71,7 @@ def _build_one(spec: Any, where: str) -> Reward:
                 "only function and weight"
             )
         fn, name = load_function(text), text.rpartition(":")[2].rpartition(".")[2]
-    accepts, required = _parameters(fn)
+    accepts, required = _parameters(fn, where)
     columns = tuple(getattr(fn, "columns", ())) + required
     return Reward(name, text, fn, float(weight), accepts, columns)
 
@@ -91,21 +91,40 @@ def _builtin(cls: type, options: dict, where: str) -> Callable[..., Any]:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[frozenset[str] | None, tuple[str, ...]]:
+SIGNATURE = (
+    "a reward function is called as f(completions, **kwargs): keyword arguments prompts, "
+    "completions, completion_ids and the dataset's columns, as TRL's GRPOTrainer calls it"
+)
+
+
+def _parameters(
+    fn: Callable[..., Any], where: str
+) -> tuple[frozenset[str] | None, tuple[str, ...]]:
     """(keyword names `fn` takes, None when it has **kwargs; required names that are no TRL
-    argument: dataset columns it needs)."""
+    argument: dataset columns it needs). A signature that cannot take the completions by
+    keyword is a ValueError naming the expected one (not "the data lacks column x")."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have no signature
         return None, ()
+    params = signature.parameters.values()
+    name = getattr(fn, "__name__", type(fn).__name__)
+    for p in params:
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{where}: {name}{signature} takes {p.name!r} by position only; {SIGNATURE}"
+            )
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [p for p in params if p.kind in kinds]
+    has_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    if not has_kwargs and not {"completions", "completion_ids"} & {p.name for p in named}:
+        raise ValueError(f"{where}: {name}{signature} takes no completions; {SIGNATURE}")
     required = tuple(
         p.name
         for p in named
         if p.default is inspect.Parameter.empty and p.name not in TRL_ARGUMENTS
     )
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    if has_kwargs:
         return None, required
     return frozenset(p.name for p in named), required
 
