@@ -9,6 +9,8 @@ job quickly with rank 1's message.
 
 import json
 import os
+import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.planted import Planted
 from helpers.runs import chat_rows, losses
 from safetensors.torch import load_file
 
 from slipstream.config import config_from_dict
 from slipstream.train import train
+from slipstream.train.state import write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -134,6 +138,27 @@ def test_fsdp_checkpoint_is_sharded_and_resumes(runs, tiny_run, tmp_path):  # no
     raw = {**lora_config(tiny_run, out, grad_accum=2, parallel="fsdp"), "resume": str(ckpt)}
     check(torchrun(raw, tmp_path))
     assert_same_run(runs / "fsdp", out, steps=range(4, STEPS + 1))
+
+
+def test_fsdp_resume_refuses_a_planted_metadata_pickle(runs, tiny_run, tmp_path):  # noqa: F811
+    """`.metadata` is a pickle torch.distributed.checkpoint would load as is: a payload in a
+    checkpoint someone shipped (manifest rewritten, so intact) is refused on every rank."""
+    ckpt = tmp_path / "step-000003"
+    shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000003", ckpt)
+    marker, file = tmp_path / "pwned", ckpt / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    metadata.planner_data["note"] = Planted(marker)
+    file.write_bytes(pickle.dumps(metadata))
+    write_manifest(ckpt, 3)
+    out = tmp_path / "resumed"
+    raw = {**lora_config(tiny_run, out, grad_accum=2, parallel="fsdp"), "resume": str(ckpt)}
+    result = torchrun(raw, tmp_path)
+    errors = [x for x in result.stderr.splitlines() if "slipstream: error:" in x]
+    assert result.returncode != 0 and len(errors) == 2, result.stderr[-4000:]  # each rank
+    assert f"refused {file}: " in errors[0] and "it was not run" in errors[0], errors
+    ranks = result.stderr.split("torch/distributed/elastic")[0]  # the launcher's own report
+    assert "Traceback" not in ranks and "exitcode  : 2" in result.stderr, result.stderr[-4000:]
+    assert not marker.exists() and not (out / "metrics.jsonl").exists()
 
 
 def test_resume_with_another_world_size_is_an_error(runs, tiny_run, tmp_path):  # noqa: F811

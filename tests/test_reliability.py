@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.planted import Planted
 from helpers.runs import losses, run_config
 
 from slipstream import cli
@@ -194,16 +195,6 @@ def test_disk_full_on_a_real_small_file_system(tiny_run, tmp_path):
     assert "disk full: writing " in errors[0] and " needs " in errors[0], errors[0]
     assert result["checkpoints"] and all(result["intact"]), result
     assert result["steps"] == list(range(1, len(result["steps"]) + 1))
-
-
-class Planted:
-    """Unpickling this creates a file: the proof that a pickle ran."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
 
 
 def test_a_planted_pickle_is_refused_and_never_run(tiny_run, tmp_path, capsys):

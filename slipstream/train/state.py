@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import signal
 import threading
@@ -275,14 +274,16 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL (\S+)", str(e))
-        what = f"it calls {found.group(1)}" if found else str(e).splitlines()[0][:200]
-        raise CheckpointError(
-            f"resume: refused {file}: it holds a pickled object, not only tensors and plain "
-            f"data ({what}); it was not run. Resume only from checkpoints you trust"
-        ) from None
+        raise refused(file, sharded.what_it_calls(e)) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"resume: {file} is damaged ({str(e).splitlines()[0]})") from None
+
+
+def refused(file: str | os.PathLike, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"resume: refused {file}: it holds a pickled object, not only tensors and plain "
+        f"data ({what}); it was not run. Resume only from checkpoints you trust"
+    )
 
 
 def load_checkpoint(
@@ -298,7 +299,10 @@ def load_checkpoint(
     if "model" not in state:  # written sharded (FSDP2)
         if not dist.is_sharded(model):
             raise ValueError(f"resume: {path} is sharded (FSDP); set train.parallel=fsdp")
-        sharded.load_shards(Path(path), model, optimizer)
+        try:
+            sharded.load_shards(Path(path), model, optimizer)
+        except sharded.UnsafePickle as e:
+            raise refused(*e.args) from None
     else:
         if dist.is_sharded(model):
             raise ValueError(f"resume: checkpoint {path} is not sharded; set train.parallel=ddp")
