@@ -73,10 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/demo")
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("export", help="merge a LoRA adapter into its base model (HF or GGUF)")
-    p.add_argument("adapter_dir", help="a LoRA run/adapter folder (or, with --gguf, a model)")
+    p = sub.add_parser(
+        "export", help="merge a LoRA adapter into its base model (HF or GGUF)",
+        epilog="GGUF files go to RUN/gguf/ by default (RUN/gguf/RUN.TYPE.gguf, its Ollama "
+        "Modelfile RUN/gguf/RUN.TYPE.Modelfile, the LoRA alone RUN/gguf/adapter.gguf); for a "
+        "checkpoint RUN/checkpoints/step-N, the same folder with -step-N in the names.",
+    )  # fmt: skip
+    p.add_argument("adapter_dir", help="a LoRA run/adapter folder, a run's checkpoints/step-N "
+                   "folder (an unfinished run), or with --gguf a model folder")  # fmt: skip
     p.add_argument("--base", help="base model folder or GGUF file (default: the adapter's)")
-    p.add_argument("--out", help="folder for the merged model; with --gguf, the .gguf file")
+    p.add_argument("--out", help="a new or empty folder for the merged model; with --gguf, "
+                   "the .gguf file (or a folder for it)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace an existing --out: a folder "
+                   "whole (the new one is written beside it, then swapped in), a GGUF file "
+                   "and its Modelfile")  # fmt: skip
     p.add_argument("--gguf", metavar="TYPE", help="write one GGUF: f16, bf16, q8_0, q4_k_m, ...")
     p.add_argument("--gguf-adapter", action="store_true",
                    help="the LoRA alone as a GGUF LoRA (llama.cpp --lora)")  # fmt: skip
@@ -170,6 +180,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from slipstream.sources import is_checkpoint_dir
+
+    if is_checkpoint_dir(args.adapter_dir):
+        return cmd_export_checkpoint(args)
     if args.gguf or args.gguf_adapter:
         return cmd_export_gguf(args)
     if not args.out:
@@ -179,35 +193,89 @@ def cmd_export(args: argparse.Namespace) -> int:
     adapter = check_adapter_dir(args.adapter_dir, "export")
     base = args.base or adapter_base(adapter)
     check_model_path(base, "--base" if args.base else f"export: the base in {adapter}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"export: --out '{out}' is a file; give a folder")
+    from slipstream.checkpoint.export import check_out_dir
+
+    out = check_out_dir(args.out, args.force, reads=(adapter, Path(base)))  # before loading
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
-    from slipstream.checkpoint.export import export_merged
     from slipstream.checkpoint.hf import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source(adapter, base))
     model = load_model(base)
     load_adapter(model, adapter)
-    out = export_merged(model, out, tokenizer=tokenizer)  # written whole, or not at all
+    return _export_merged(model, out, tokenizer, args.force)
+
+
+def _export_merged(model: Any, out: Path, tokenizer: Any, force: bool) -> int:
+    from slipstream.checkpoint.export import export_merged
+
+    out = export_merged(model, out, tokenizer=tokenizer, force=force)  # whole, or not at all
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
     return 0
 
 
-def cmd_export_gguf(args: argparse.Namespace) -> int:
+def cmd_export_gguf(args: argparse.Namespace, default: Path | None = None) -> int:
     if args.gguf_adapter:
         from slipstream.checkpoint.gguf_lora import export_adapter_gguf
 
-        path = export_adapter_gguf(args.adapter_dir, args.out, base=args.base)
+        path = export_adapter_gguf(
+            args.adapter_dir, args.out, base=args.base, force=args.force, default=default
+        )
         print(f"slipstream: GGUF LoRA adapter written to {path}")
+        print(f"slipstream: use it on its base: llama-cli -m BASE.gguf --lora {path}")
         return 0
-    from slipstream.checkpoint.gguf_export import export_run_gguf
+    from slipstream.checkpoint.gguf_export import export_run_gguf, modelfile_path
 
-    path = export_run_gguf(args.adapter_dir, args.gguf, args.out, base=args.base)
+    path = export_run_gguf(
+        args.adapter_dir, args.gguf, args.out, base=args.base, force=args.force, default=default
+    )
     size = path.stat().st_size / 2**20
-    print(f"slipstream: {args.gguf} GGUF written to {path} ({size:.1f} MiB), Modelfile beside it")
+    print(f"slipstream: {args.gguf} GGUF written to {path} ({size:.1f} MiB)")
+    print(f"slipstream: Ollama: ollama create NAME -f {modelfile_path(path)}; llama.cpp: "
+          f"llama-cli -m {path}; transformers: from_pretrained('{path.parent}', "
+          f"gguf_file='{path.name}')")  # fmt: skip
     return 0
+
+
+def cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    """A run's checkpoints/step-N: its adapter (or model) is written into a temporary folder
+    in the run, then exported as a finished run's would be."""
+    import tempfile
+
+    from slipstream.checkpoint.gguf_export import GGUF_DIR, check_type
+    from slipstream.sources import RUN_CHECKPOINTS
+
+    ckpt = Path(args.adapter_dir)
+    run = ckpt.parent.parent if ckpt.parent.name == RUN_CHECKPOINTS else ckpt.parent
+    name = f"{run.resolve().name}-{ckpt.name}"
+    default = None
+    if args.gguf_adapter:
+        default = run / GGUF_DIR / f"adapter-{ckpt.name}.gguf"
+    elif args.gguf:
+        default = run / GGUF_DIR / f"{name}.{check_type(args.gguf)}.gguf"
+    elif not args.out:
+        raise ValueError("export to the HF layout needs --out DIR (or --gguf TYPE)")
+    if default is not None:  # what is in the way is said before the slow part
+        from slipstream.checkpoint.gguf_export import gguf_output
+
+        gguf_output(args.out, default, args.force, modelfile=not args.gguf_adapter)
+    else:
+        from slipstream.checkpoint.export import check_out_dir
+
+        check_out_dir(args.out, args.force, reads=(ckpt,))
+    from slipstream.train.checkpoint_result import write_result
+
+    with tempfile.TemporaryDirectory(dir=run, prefix=".export-") as tmp:
+        write_result(ckpt, Path(tmp))
+        print(f"slipstream: exporting checkpoint {ckpt}")
+        if default is not None:
+            return cmd_export_gguf(argparse.Namespace(**{**vars(args), "adapter_dir": tmp}),
+                                   default=default)  # fmt: skip
+        if (Path(tmp) / "config.json").is_file():  # full fine-tuning: the model itself
+            from slipstream.checkpoint.hf import load_model, load_tokenizer
+
+            return _export_merged(load_model(tmp), Path(args.out), load_tokenizer(tmp), args.force)
+        return cmd_export(argparse.Namespace(**{**vars(args), "adapter_dir": tmp}))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

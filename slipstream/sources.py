@@ -96,17 +96,58 @@ def builtin_hub_id(source: str | Path) -> str | None:
 
 
 def check_model_path(source: str, what: str = "model.path") -> None:
-    """A local model must be a .gguf file or a folder with config.json (hub ids pass)."""
+    """A local model must be a .gguf file (not a GGUF LoRA) or a folder with config.json (hub
+    ids pass); an unfinished run's folder or checkpoint is said to be one."""
     local = Path(resolve_model(source, what))
     if not local.exists():
         return  # a hub id: only the hub can tell
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ValueError(f"{what}: '{source}' is a folder without config.json (no checkpoint)")
+            said = unfinished_run(local, what)
+            raise ValueError(
+                said or f"{what}: '{source}' is a folder without config.json (no checkpoint)"
+            )
     elif local.suffix.lower() != ".gguf":
         raise ValueError(
             f"{what}: '{source}' is a file but not .gguf; give a checkpoint folder or a .gguf file"
         )
+    elif gguf_type(local) == "adapter":
+        raise ValueError(lora_gguf_error(local, what))
+
+
+def gguf_type(path: Path) -> str | None:
+    """A GGUF file's `general.type` ("model", "adapter"; None when unset or unreadable).
+
+    Read from the header by hand, stopping at the key: gguf.GGUFReader parses every key and
+    the vocabulary first (5 s for SmolLM2 on a loaded 2-core machine)."""
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or int.from_bytes(f.read(4), "little") < 2:
+                return None
+            f.read(8)  # tensor count
+            for _ in range(min(int.from_bytes(f.read(8), "little"), 64)):
+                key = f.read(int.from_bytes(f.read(8), "little")).decode("utf-8", "replace")
+                kind = int.from_bytes(f.read(4), "little")
+                if kind == 8:  # a string
+                    value = f.read(int.from_bytes(f.read(8), "little"))
+                    if key == "general.type":
+                        return value.decode("utf-8", "replace")
+                elif kind in sizes:
+                    f.read(sizes[kind])
+                else:  # an array (the vocabulary): general.* keys come before it
+                    return None
+    except OSError:
+        return None
+    return None
+
+
+def lora_gguf_error(path: str | Path, what: str) -> str:
+    return (
+        f"{what}: '{path}' is a GGUF LoRA adapter (no base weights), not a model: use it on "
+        "its base in llama.cpp (llama-cli -m BASE.gguf --lora FILE) or Ollama (ADAPTER in a "
+        "Modelfile); for slipstream, give the run folder it was exported from"
+    )
 
 
 def is_local_data(source: str) -> bool:
@@ -196,8 +237,65 @@ def check_adapter_dir(path: str | Path, what: str = "adapter") -> Path:
     missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
                if not (adapter / f).is_file()]  # fmt: skip
     if missing:
+        said = unfinished_run(adapter, what) if adapter.is_dir() else None
+        if said:
+            raise ValueError(said)
         raise ValueError(
             f"{what}: '{adapter}' is not a PEFT adapter folder (no {' or '.join(missing)}); "
             "give the output_dir of a LoRA run or a folder peft's save_pretrained wrote"
         )
     return adapter
+
+
+# ---- runs that stopped before their end -----------------------------------------------------
+# The trainer's layout (train/state.py, which imports torch): RUN/checkpoints/step-000123/state.pt
+RUN_CHECKPOINTS = "checkpoints"
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """A training checkpoint folder (`checkpoints/step-N`, with its `state.pt`)."""
+    return (Path(path) / "state.pt").is_file()
+
+
+def unfinished_run(folder: Path, what: str) -> str | None:
+    """One line for a run folder that has no final adapter or model yet (or a checkpoint of
+    one): what it is, how `resume=true` continues it, and how to export what it has; None
+    when `folder` is neither."""
+    folder = Path(folder)
+    if is_checkpoint_dir(folder):
+        run = folder.parent.parent if folder.parent.name == RUN_CHECKPOINTS else folder
+        return (
+            f"{what}: '{folder}' is a training checkpoint, not a model: `slipstream export "
+            f"{folder} --out DIR` (or --gguf TYPE) writes its model; {_resume_hint(run)}"
+        )
+    steps = sorted(
+        (p for p in (folder / RUN_CHECKPOINTS).glob("step-*") if is_checkpoint_dir(p)),
+        key=lambda p: int(p.name.removeprefix("step-")),
+    )
+    if steps:
+        return (
+            f"{what}: '{folder}' is an unfinished run (stopped at step "
+            f"{int(steps[-1].name.removeprefix('step-'))}{_of_total(folder)}, no final adapter "
+            f"or model yet): {_resume_hint(folder)}; or export its newest checkpoint: "
+            f"`slipstream export {steps[-1]} --out DIR`"
+        )
+    if (folder / "config.yaml").is_file() and (folder / "metrics.jsonl").is_file():
+        return (
+            f"{what}: '{folder}' is a run that stopped before its first checkpoint (nothing to "
+            f"use yet): run it again with `slipstream train {folder / 'config.yaml'}`"
+        )
+    return None
+
+
+def _resume_hint(run: Path) -> str:
+    config = run / "config.yaml"
+    shown = config if config.is_file() else "CONFIG.yaml"
+    return f"`slipstream train {shown} resume=true output_dir={run}` continues the run"
+
+
+def _of_total(run: Path) -> str:
+    try:
+        total = json.loads((run / "summary.json").read_text()).get("total_steps")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" of {total}" if isinstance(total, int) else ""

@@ -174,7 +174,7 @@ def test_cli_exports_run_with_modelfile(lora_run, tmp_path, tokenizer):
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < TOLERANCE["q8_0"]
     assert (plain - ref).abs().max() > 10 * (got - ref).abs().max()  # the adapter is in it
-    modelfile = (tmp_path / "Modelfile").read_text()
+    modelfile = (tmp_path / "m.Modelfile").read_text()  # named after its GGUF
     assert modelfile.startswith("FROM ./m.gguf\n")
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
     assert 'eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n' in modelfile
@@ -319,3 +319,72 @@ def test_our_import_alone_matches_the_source(tmp_path, tokenizer, kind):
         assert [layer.mlp.experts.limit for layer in back.model.layers] == [7.0, 7.0]
     else:
         assert phi3.Phi3Rope.from_hf(back.config.hf) == phi3.Phi3Rope.from_hf(ours.config.hf)
+
+
+def test_gguf_name_drops_the_sources_quant_suffix(tmp_path, tokenizer):
+    """A q8_0 re-export of 'X.Q4_1.gguf' was named 'X.Q4_1' (general.name copied the stem)."""
+    src = export_gguf(ours_from_hf(tiny_hf("llama")), tmp_path / "Tiny-Chat-1M.Q4_1.gguf", "q4_1",
+                      tokenizer=tokenizer)  # fmt: skip
+    out = export_gguf(load_model(src), tmp_path / "out.gguf", "q8_0")
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields["general.name"].contents() == "Tiny-Chat-1M"
+    assert fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    from slipstream.checkpoint.gguf_export import model_name
+
+    class Loaded:  # what load_model notes for the built-in SmolLM2 file (its hub id)
+        name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        checkpoint_path = "/x/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    assert model_name(Loaded()) == "SmolLM2-135M-Instruct"
+
+
+def test_cli_gguf_goes_to_run_gguf_with_a_modelfile_each(lora_run, tmp_path, capsys):
+    """Beside adapter_config.json, from_pretrained(run, gguf_file=...) followed the adapter to
+    the hub; two exports shared one Modelfile; a second export replaced the first silently."""
+    from slipstream.cli import main
+
+    base, run = lora_run
+    assert main(["export", str(run), "--gguf", "f16"]) == 0
+    folder, path = run / "gguf", run / "gguf" / "run.f16.gguf"
+    assert str(path) in capsys.readouterr().out  # the log says where
+    assert not list(run.glob("*.gguf")) and not (run / "Modelfile").exists()
+    ids = torch.tensor([5, 17, 42, 9])
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name)
+    with torch.no_grad():
+        want = load_model(path)(ids, SeqInfo.from_lengths([len(ids)]))
+        torch.testing.assert_close(back(ids[None]).logits[0], want, atol=1e-4, rtol=1e-4)
+
+    assert main(["export", str(run), "--gguf", "q8_0"]) == 0  # a second type, same folder
+    for t in ("f16", "q8_0"):
+        assert (folder / f"run.{t}.Modelfile").read_text().startswith(f"FROM ./run.{t}.gguf\n")
+    capsys.readouterr()
+    assert main(["export", str(run), "--gguf", "f16"]) == 2  # there already: not replaced
+    err = capsys.readouterr().err.strip()
+    assert "run.f16.gguf' exists; pass --force" in err and len(err.splitlines()) == 1
+    stamp = path.stat().st_mtime_ns
+    assert main(["export", str(run), "--gguf", "f16", "--force"]) == 0
+    assert path.stat().st_mtime_ns != stamp
+    assert main(["export", str(run), "--gguf-adapter"]) == 0
+    assert (folder / "adapter.gguf").is_file() and not (run / "adapter.gguf").exists()
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    assert main(["export", str(run), "--gguf", "f16", "--out", str(out)]) == 0  # a folder
+    assert sorted(p.name for p in out.iterdir()) == ["run.f16.Modelfile", "run.f16.gguf"]
+
+
+def test_gguf_lora_given_as_a_model_says_what_it_is(lora_run, tmp_path, capsys):
+    """`generate RUN/adapter.gguf` was a TypeError in gguf_config.py; as model.path it said
+    'needs a chat template'."""
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.cli import main
+    from slipstream.sources import check_model_path
+
+    _, run = lora_run
+    lora = export_adapter_gguf(run, tmp_path / "adapter.gguf")
+    assert main(["generate", str(lora), "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a GGUF LoRA adapter" in err and "--lora" in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match="model.path: .* GGUF LoRA adapter .* run folder"):
+        check_model_path(str(lora))  # what `slipstream train` checks first
+    with pytest.raises(ValueError, match="GGUF LoRA adapter"):
+        load_model(lora)

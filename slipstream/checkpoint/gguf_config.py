@@ -47,6 +47,10 @@ def hf_config_from_gguf(reader: Any, path: Any = "GGUF file") -> dict:
     """A Hugging Face config dict from a GGUF's metadata, or a one-line error for an
     architecture we do not read."""
     arch = field(reader, "general.architecture")
+    if field(reader, "general.type") == "adapter":
+        from slipstream.sources import lora_gguf_error
+
+        raise ValueError(lora_gguf_error(path, "load_model"))
     if arch not in MODEL_TYPES:
         supported = ", ".join(MODEL_TYPES)
         raise ValueError(

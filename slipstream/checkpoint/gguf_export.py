@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ K_TYPES = {
     "q6_k": "MOSTLY_Q6_K",
 }
 GGUF_TYPES = (*PURE_TYPES, *K_TYPES)
+# Where `slipstream export RUN --gguf` writes by default: not beside adapter_config.json, where
+# transformers' from_pretrained(RUN, gguf_file=...) would follow the adapter to its base.
+GGUF_DIR = "gguf"
+# A quantisation type at the end of a file name ("SmolLM2-135M-Instruct.Q4_1"): not the model's.
+QUANT_SUFFIX = re.compile(r"[.\-_](f32|f16|bf16|q\d(_[a-z0-9]+)*|iq\d\w*)$", re.IGNORECASE)
 INSTALL_EXTRA = "pip install 'slipstream[gguf]' (it compiles llama.cpp; see README)"
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0",
@@ -179,7 +185,7 @@ def _write(model: Any, out: str, type: str, arch: Any, tokenizer: Any) -> None:
 
     cfg = model.config
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_name(_model_name(model))
+    w.add_name(model_name(model))
     write_metadata(w, cfg, arch)
     w.add_file_type(int(gguf.LlamaFileType[_FILE_TYPE[type]]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -206,9 +212,16 @@ def _write(model: Any, out: str, type: str, arch: Any, tokenizer: Any) -> None:
     w.close()
 
 
-def _model_name(model: Any) -> str:
-    src = getattr(model, "checkpoint_path", None)
-    return Path(str(src)).stem if src else "slipstream-export"
+def model_name(model: Any) -> str:
+    """`general.name`: the hub id's or file's name, without `.gguf` or a quantisation suffix
+    (the type of this file is `general.file_type`, not the source's)."""
+    for src in (getattr(model, "name_or_path", None), getattr(model, "checkpoint_path", None)):
+        name = Path(str(src or "")).name.removesuffix(".gguf")
+        while QUANT_SUFFIX.search(name):
+            name = QUANT_SUFFIX.sub("", name)
+        if name:
+            return name
+    return "slipstream-export"
 
 
 # ---- tokenizer -------------------------------------------------------------------------------
@@ -290,6 +303,8 @@ def _write_hf_tokenizer(w: Any, folder: Path, vocab_size: int, arch: Any) -> Non
         w.add_token_scores(scores)
     special = gguf.SpecialVocab(folder, load_merges=byte_level, n_vocab=vocab_size)
     special.add_to_gguf(w, quiet=True)
+    if "bos" not in special.add_special_token:  # said, so llama.cpp and Ollama need not guess
+        w.add_add_bos_token(_adds_bos(tok_json, special.special_token_ids.get("bos")))
     if special.chat_template is None:
         template = _chat_template(folder)
         if template:
@@ -313,6 +328,13 @@ def _bpe_tokens(data: dict) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def _adds_bos(tok_json: Path, bos_id: int | None) -> bool:
+    """Does the HF tokenizer put BOS in front when it encodes text (its post-processor)?"""
+    from tokenizers import Tokenizer
+
+    return bos_id is not None and Tokenizer.from_file(str(tok_json)).encode("a").ids[:1] == [bos_id]
+
+
 def _chat_template(folder: Path) -> str | None:
     cfg = folder / "tokenizer_config.json"
     if cfg.is_file():
@@ -322,13 +344,36 @@ def _chat_template(folder: Path) -> str | None:
     return None
 
 
+def modelfile_path(gguf_path: str | os.PathLike) -> Path:
+    """The Modelfile of a GGUF is named after it (m.q8_0.gguf -> m.q8_0.Modelfile), so two
+    exports into one folder keep one each."""
+    return Path(gguf_path).with_suffix(".Modelfile")
+
+
 def write_modelfile(gguf_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """An Ollama Modelfile beside the GGUF: FROM, TEMPLATE (from the chat template), stops."""
     from slipstream.checkpoint.gguf_modelfile import modelfile_text
 
     gguf_path = Path(gguf_path)
-    out = Path(out) if out is not None else gguf_path.with_name("Modelfile")
+    out = Path(out) if out is not None else modelfile_path(gguf_path)
     return atomic_write_text(out, modelfile_text(gguf_path))
+
+
+def gguf_output(
+    out: str | os.PathLike | None, default: Path, force: bool, modelfile: bool = True
+) -> Path:  # fmt: skip
+    """Where an export writes its .gguf: `out` (a folder: `default`'s name inside it), else
+    `default` (its folder made). A file already there (or its Modelfile) is replaced only
+    with `force`."""
+    path = Path(out) if out is not None else default
+    if out is not None and path.is_dir():
+        path = path / default.name
+    if out is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    for p in (path, modelfile_path(path)) if modelfile else (path,):
+        if p.exists() and not force:
+            raise ValueError(f"export: '{p}' exists; pass --force to replace it, or give --out")
+    return path
 
 
 __all__ = ["ARCHS", "GGUF_TYPES", "K_TYPES", "PURE_TYPES", "export_gguf", "write_modelfile"]
@@ -336,25 +381,31 @@ __all__ = ["ARCHS", "GGUF_TYPES", "K_TYPES", "PURE_TYPES", "export_gguf", "write
 
 def export_run_gguf(
     source: str | os.PathLike, type: str, out: str | os.PathLike | None = None,
-    base: str | None = None,
+    base: str | None = None, force: bool = False, default: Path | None = None,
 ) -> Path:  # fmt: skip
     """`slipstream export SRC --gguf TYPE`: a LoRA run/adapter folder (merged into its base) or
-    a full-model folder, as one GGUF plus an Ollama Modelfile beside it."""
+    a full-model folder, as one GGUF plus its Ollama Modelfile; by default in `SRC/gguf/`
+    (`default`: another default path, e.g. for a checkpoint's temporary folder)."""
     from slipstream.checkpoint.adapter import load_adapter
     from slipstream.checkpoint.hf import load_model, load_tokenizer
+    from slipstream.sources import unfinished_run
 
     t = check_type(type)
     src = Path(source)
     adapter = (src / "adapter_config.json").is_file()
     if not adapter and not (src / "config.json").is_file():
-        raise ValueError(f"{src}: neither an adapter (adapter_config.json) nor a model folder.")
-    path = Path(out) if out is not None else src / f"{src.resolve().name}.{t}.gguf"
+        said = unfinished_run(src, "export")
+        raise ValueError(
+            said or f"{src}: neither an adapter (adapter_config.json) nor a model folder."
+        )
     if adapter:
         base = base or _adapter_base(src)
     model_source = base if adapter else str(src)
     kind = _model_type(model_source)
     if kind is not None:
         gguf_arch(kind)  # an unsupported family fails before loading
+    default = default or src / GGUF_DIR / f"{src.resolve().name}.{t}.gguf"
+    path = gguf_output(out, default, force)
     _check_writable(path)
     if t in K_TYPES:
         llama_cpp_quantizer()

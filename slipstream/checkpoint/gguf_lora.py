@@ -23,16 +23,23 @@ PEFT_PREFIX = "base_model.model."
 
 
 def export_adapter_gguf(
-    adapter_dir: str | os.PathLike, out: str | os.PathLike | None = None, base: str | None = None
-) -> Path:
-    """Write `adapter_dir`'s LoRA as a GGUF LoRA file; returns its path."""
+    adapter_dir: str | os.PathLike, out: str | os.PathLike | None = None, base: str | None = None,
+    force: bool = False, default: Path | None = None,
+) -> Path:  # fmt: skip
+    """Write `adapter_dir`'s LoRA as a GGUF LoRA file (by default `adapter_dir/gguf/adapter.gguf`,
+    or `default`); returns its path. An existing file is replaced only with `force`."""
     import torch
     from safetensors.torch import load_file
 
     src = Path(adapter_dir)
     cfg_path = src / "adapter_config.json"
     if not cfg_path.is_file():
-        raise ValueError(f"no adapter_config.json in {str(src)!r} (is it an adapter folder?)")
+        from slipstream.sources import unfinished_run
+
+        said = unfinished_run(src, "export") if src.is_dir() else None
+        raise ValueError(
+            said or f"no adapter_config.json in {str(src)!r} (is it an adapter folder?)"
+        )
     acfg = json.loads(cfg_path.read_text())
     if acfg.get("use_dora"):
         raise ValueError(
@@ -44,9 +51,10 @@ def export_adapter_gguf(
     base = resolve_model(base or adapter_base(src), "--base")
     cfg = _base_config(base)
     arch = gguf_arch(cfg.model_type)
-    path = Path(out) if out is not None else src / "adapter.gguf"
-    from slipstream.checkpoint.gguf_export import _check_writable
+    from slipstream.checkpoint.gguf_export import GGUF_DIR, _check_writable, gguf_output
 
+    default = default or src / GGUF_DIR / "adapter.gguf"
+    path = gguf_output(out, default, force, modelfile=False)
     _check_writable(path)
     rank = int(acfg["r"])
     alpha = float(acfg.get("lora_alpha", rank))

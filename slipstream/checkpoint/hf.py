@@ -30,7 +30,7 @@ from slipstream.checkpoint.hf_config import current_config, generation_config
 from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
 from slipstream.models.weights import WeightMap, check_shape, from_hf_name, to_hf_name
-from slipstream.sources import resolve_model
+from slipstream.sources import gguf_type, lora_gguf_error, resolve_model
 
 SHARD_BYTES = 5 * 1024**3
 # A multimodal checkpoint's image processor files, copied beside the tensors save passes through.
@@ -67,6 +67,8 @@ def load_tokenizer(path: str, what: str = "model.path") -> Any:
     if p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"{what}: GGUF file not found: {p}")
+        if gguf_type(p) == "adapter":
+            raise ValueError(lora_gguf_error(p, what))
         from slipstream.checkpoint.gguf import gguf_tokenizer
 
         return gguf_tokenizer(p)
