@@ -53,7 +53,9 @@ class ModelSection(_Section):
     )
     quantization: Literal["none", "nf4"] = _opt("none", "nf4: QLoRA (4-bit base, bitsandbytes)")
     adapter: str | None = _opt(
-        None, "PEFT adapter folder to start from (LoRA: its factors; full: merged in first)"
+        None,
+        "PEFT adapter folder to start from (LoRA: its factors, r, alpha, targets and dropout "
+        "win over lora's; full: merged in first)",
     )
 
 

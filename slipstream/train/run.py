@@ -20,6 +20,7 @@ from slipstream.checkpoint.hf import load_tokenizer, resolve_device
 from slipstream.config import RunConfig, check_output_dir
 from slipstream.objectives import build_objective
 from slipstream.sources import check_adapter_dir
+from slipstream.train.fixed_settings import check_resume_settings, say_adapter_overrides
 from slipstream.train.meter import StepMeter
 from slipstream.train.metrics import (
     peak_memory_gb,
@@ -83,6 +84,8 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     t = cfg.train
     out = check_output_dir(cfg.output_dir)  # nothing is written there before a result
     checkpoint = find_resume_checkpoint(cfg.resume, out)  # before the slow loads
+    if checkpoint is not None:
+        check_resume_settings(cfg, checkpoint)
     report_to = resolve_report_to(t.report_to) if dist.is_main() else []
     device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
     if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
@@ -96,7 +99,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
 
     objective = build_objective(cfg)
     if cfg.model.adapter is not None:  # a wrong path is said before the data and weights load
-        check_adapter_dir(cfg.model.adapter, "model.adapter")
+        say_adapter_overrides(cfg, check_adapter_dir(cfg.model.adapter, "model.adapter"))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
     data = build_data(cfg, tokenizer, objective)

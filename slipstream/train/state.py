@@ -268,11 +268,12 @@ def newest_intact(found: list[Path], output_dir: str | os.PathLike) -> Path | No
     return None
 
 
-def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """`state.pt` loaded with weights_only=True; anything else is a one-line CheckpointError."""
+def read_state(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
+    """`state.pt` loaded with weights_only=True; anything else is a one-line CheckpointError.
+    `mmap`: tensors stay on disk until read (to look at the rest of a large checkpoint)."""
     file = Path(path) / "state.pt"
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise refused(file, sharded.what_it_calls(e)) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
@@ -313,6 +314,13 @@ def load_checkpoint(
                 f"resume: checkpoint {path} has parameter '{missing[0]}' that this model lacks "
                 "(was it saved with another model or lora config?)"
             )
+        for name, value in state["model"].items():
+            if value.shape != params[name].shape:
+                raise ValueError(
+                    f"resume: checkpoint {path} has '{name}' of shape {tuple(value.shape)}, "
+                    f"this model's is {tuple(params[name].shape)} (was it saved with another "
+                    "model or lora config?)"
+                )
         with torch.no_grad():
             for name, value in state["model"].items():
                 params[name].copy_(value)
