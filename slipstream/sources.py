@@ -99,8 +99,11 @@ def check_model_path(source: str, what: str = "model.path") -> None:
     """A local model must be a .gguf file (not a GGUF LoRA) or a folder with config.json (hub
     ids pass); an unfinished run's folder or checkpoint is said to be one."""
     local = Path(resolve_model(source, what))
-    if not local.exists():
-        return  # a hub id: only the hub can tell
+    if not local.exists():  # a hub id: only the hub can tell, if it can be reached at all
+        from slipstream.hub import hub_files_only
+
+        hub_files_only(str(source), what)
+        return
     if local.is_dir():
         if not (local / "config.json").is_file():
             said = unfinished_run(local, what)

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
 from slipstream.checkpoint.hf_config import current_config, generation_config
+from slipstream.hub import OFFLINE_CHOICE, hub_files_only, no_network_error
 from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
 from slipstream.models.weights import WeightMap, check_shape, from_hf_name, to_hf_name
@@ -74,13 +75,24 @@ def load_tokenizer(path: str, what: str = "model.path") -> Any:
         return gguf_tokenizer(p)
     if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
         raise ValueError(f"{what}: no tokenizer files (tokenizer.json ...) in '{p}'")
+    files_only = not p.exists() and hub_files_only(local, what)  # offline: cache, or say so
     try:
-        return AutoTokenizer.from_pretrained(local)
+        return AutoTokenizer.from_pretrained(local, local_files_only=files_only)
     except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"{what}: '{path}' is no local path, and the hub gave no tokenizer by that id ({first})"
-        ) from None
+        raise _hub_error(what, path, "tokenizer", e) from None
+
+
+def _hub_error(what: str, source: str, kind: str, e: Exception) -> ValueError:
+    """One line for a hub id that did not load: no network (said so), or the hub's answer."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if no_network_error(str(e)):
+        return ValueError(
+            f"{what}: '{source}' is a hub id, but the hub cannot be reached (no network: "
+            f"{first}); {OFFLINE_CHOICE}"
+        )
+    return ValueError(
+        f"{what}: '{source}' is no local path, and the hub gave no {kind} by that id ({first})"
+    )
 
 
 def load_model(
@@ -136,14 +148,14 @@ def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
         return path
     from huggingface_hub import snapshot_download
 
+    files_only = hub_files_only(str(path), "load_model")  # offline: the cache, or say so
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     try:
-        return Path(snapshot_download(str(path), allow_patterns=patterns))
+        return Path(
+            snapshot_download(str(path), allow_patterns=patterns, local_files_only=files_only)
+        )
     except Exception as e:  # offline, unknown repo, gated: huggingface_hub's own words
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"'{path}' is no local path, and the hub gave no model by that id ({first})"
-        ) from None
+        raise _hub_error("load_model", str(path), "model", e) from None
 
 
 def _safetensors_files(folder: Path) -> list[str]:
