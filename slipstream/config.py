@@ -116,7 +116,9 @@ class TrainSection(_Section):
     )
     lr: float = _opt(2e-4, "peak learning rate", gt=0)
     schedule: Literal["linear", "cosine", "constant"] = _opt("cosine", "lr schedule after warmup")
-    warmup_steps: int = _opt(0, "steps of linear warmup", ge=0)
+    warmup_steps: int | float = _opt(
+        0, "steps of linear warmup, or a fraction < 1 of the run's steps (0.05)", ge=0
+    )
     steps: int | None = _opt(None, "optimizer steps; when set, wins over epochs", gt=0)
     epochs: float | None = _opt(None, "passes over the data; default 1 when steps is unset", gt=0)
     tokens_per_batch: int = _opt(8192, "tokens per micro-batch, packed without padding", gt=0)
@@ -167,6 +169,13 @@ class TrainSection(_Section):
         if self.save_best and not self.eval_every:
             raise ValueError("train.save_best needs train.eval_every > 0 (evals during the run)")
         return self
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _whole_steps_or_fraction(cls, value: int | float) -> int | float:
+        if value >= 1 and value != int(value):
+            raise ValueError(f"give whole steps (>= 1) or a fraction below 1, not {value}")
+        return int(value) if value >= 1 else value
 
     @field_validator("objective")
     @classmethod

@@ -66,6 +66,13 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **kwargs)
 
 
+def warmup_steps_for(warmup: int | float, total_steps: int) -> int:
+    """`train.warmup_steps` in steps: a whole number as is, a fraction < 1 of `total_steps`
+    rounded down (transformers rounds up: on a 5-step run, 0.05 would halve the first step's
+    lr, which is what a short try of a long config should not do)."""
+    return int(warmup) if warmup >= 1 else int(warmup * total_steps)
+
+
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based)."""
     if step < warmup_steps:

@@ -30,7 +30,7 @@ from slipstream.train.metrics import (
     write_json,
 )
 from slipstream.train.nonfinite import NonFiniteGuard
-from slipstream.train.optim import build_optimizer, build_schedule
+from slipstream.train.optim import build_optimizer, build_schedule, warmup_steps_for
 from slipstream.train.report_to import resolve_report_to
 from slipstream.train.setup import (
     RunData,
@@ -120,8 +120,15 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     per_step = t.grad_accum * world
     repeat = getattr(objective, "iterations", 1)  # GRPO: steps per window of prompts
     total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step) * repeat
+    warmup = warmup_steps_for(t.warmup_steps, total_steps)
+    if warmup >= total_steps:
+        dist.print_main(
+            f"slipstream: warning: train.warmup_steps={t.warmup_steps} is not shorter than the "
+            f"run's {total_steps} steps, so the lr never reaches train.lr (at most "
+            f"{total_steps / (warmup + 1):.0%} of it); give a fraction, e.g. warmup_steps=0.05"
+        )
     scheduler = build_schedule(
-        optimizer, schedule=t.schedule, warmup_steps=t.warmup_steps, total_steps=total_steps
+        optimizer, schedule=t.schedule, warmup_steps=warmup, total_steps=total_steps
     )
     run = Run(cfg, out, device, objective, tokenizer, data, model, ddp, optimizer, scheduler,
               total_steps, per_step, report_to)  # fmt: skip
