@@ -67,7 +67,9 @@ class DataSection(_Section):
     eval: str | list[str] | None = _opt(None, "held-out source(s); or use eval_fraction")
     eval_fraction: float = _opt(0.0, "share of each train source held out for eval", ge=0.0, lt=1.0)
     format: str = _opt(
-        "auto", "auto (from the columns) | messages | sharegpt | prompt_completion | alpaca | text"
+        "auto",
+        "auto (each row's, from its columns) | messages | sharegpt | prompt_completion | alpaca "
+        "| text",
     )
     chat_template: str | None = _opt(
         None, "a .jinja file or the template text, replacing the tokenizer's (saved with it)"

@@ -1,6 +1,8 @@
 """Assistant-only targets under ChatML and Llama-3 templates (no generation markers), and the
 counted skips / errors of tokenize_rows."""
 
+import json
+
 import pytest
 from helpers.tokenizers import save_test_tokenizer
 from transformers import AutoTokenizer
@@ -207,3 +209,68 @@ def test_template_error_is_a_counted_skip(chatml, tmp_path):
     examples, report = tokenize_rows(rows, tok, max_tokens=256)
     assert report.kept == 1 and report.skipped["template_error"] == 1
     assert "no system role" in report.first_skip
+
+
+def parts(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def test_text_parts_are_joined_and_image_parts_counted(chatml, tmp_path):
+    from slipstream.data import load_rows
+
+    # TRL's / OpenAI's content parts: joined with nothing between (what part-aware chat
+    # templates render), so the example equals the one of the plain string.
+    plain = {"messages": CONVERSATION[1:3]}
+    as_parts = {
+        "messages": [
+            {"role": "user", "content": parts("Hi ", "there")},
+            {"role": "assistant", "content": parts("Hello friend")},
+        ]
+    }
+    image = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}
+    with_image = {
+        "messages": [
+            {"role": "user", "content": [image, *parts("What is it?")]},
+            {"role": "assistant", "content": "A cat."},
+        ]
+    }
+    audio = {"messages": [{"role": "user", "content": [{"type": "audio"}]}]}
+    path = tmp_path / "parts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (plain, as_parts, with_image, audio)))
+    examples, report = tokenize_rows(load_rows(str(path)), chatml, max_tokens=256)
+    assert len(examples) == 2 and examples[0] == examples[1]
+    assert dict(report.skipped) == {"image_part": 1, "wrong_type": 1}
+    assert "row 2: image_part: turn 0 part 0 is 'image_url': image parts need a vision model" in (
+        report.summary()
+    )
+    # Only part lists: Arrow types the parts as structs (absent keys None); read the same.
+    path.write_text("".join(json.dumps(r) + "\n" for r in (as_parts, with_image)))
+    typed, report = tokenize_rows(load_rows(str(path)), chatml, max_tokens=256)
+    assert typed == examples[:1] and dict(report.skipped) == {"image_part": 1}
+
+
+def test_mixed_formats_are_each_read_and_counted(chatml, tmp_path):
+    from slipstream.data import load_rows
+
+    chats = [{"messages": CONVERSATION[1:3]}] * 3
+    pairs = [{"prompt": "Hi there", "completion": "Hello friend"}] * 2
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chats + pairs))
+    examples, report = tokenize_rows(load_rows(str(path)), chatml, max_tokens=256)
+    # Each row in its own format: prompt/completion is the same chat, so the same example.
+    assert report.kept == 5 and len({tuple(e.input_ids) for e in examples}) == 1
+    assert dict(report.formats) == {"messages": 3, "prompt_completion": 2}
+    assert report.summary().startswith("data (messages 3 rows, prompt_completion 2 rows): 5 rows")
+    assert report.warning() is None
+    # A format given by name reads every row in it: the others are skipped, and more than a
+    # quarter skipped is a warning of its own.
+    examples, report = tokenize_rows(
+        load_rows(str(path)), chatml, max_tokens=256, format="messages"
+    )
+    assert report.kept == 3 and report.skipped["missing_field"] == 2
+    assert report.warning() == (
+        "2 of 5 rows (40%) are not trained on (missing_field 2; first: row 3: missing_field: "
+        "no 'messages')"
+    )
+    _, report = tokenize_rows(chats * 3 + pairs[:1], chatml, max_tokens=256, format="messages")
+    assert report.warning() is None  # 1 of 10: said in the summary only

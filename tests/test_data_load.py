@@ -105,3 +105,14 @@ def test_cut_off_json_line_names_its_real_column(tmp_path):
     at = rf"cut\.jsonl:2: invalid JSON \(Expecting value at column {len(cut) + 1}\)"
     with pytest.raises(ValueError, match=at):
         load_rows(str(path))
+
+
+def test_columns_of_later_rows_are_kept(tmp_path):
+    # datasets' from_list keeps only the first row's keys: a file starting with a messages
+    # row lost every later row's prompt/completion.
+    rows = [{"text": "a"}, {"prompt": "q", "completion": "c"}]
+    loaded = load_rows(_jsonl(tmp_path / "d.jsonl", rows)).to_list()
+    assert loaded == [
+        {"text": "a", "prompt": None, "completion": None},
+        {"text": None, "prompt": "q", "completion": "c"},
+    ]

@@ -369,3 +369,29 @@ def test_train_says_the_format_and_that_the_model_is_loading(tiny_run, tmp_path,
     assert "data (messages): 42 rows -> 42 examples" in err
     assert f"loading the model weights from {tiny_run[0]} (float32)..." in err
     assert "model loaded in" in err
+
+
+def test_mixed_formats_counted_first_and_a_large_skip_is_a_warning(tiny_run, tmp_path, capsys):
+    # A file of messages rows and prompt/completion rows: both read, each format counted in
+    # preview's first lines and the run's data line; a quarter skipped is a warning line.
+    chats = chat_rows(6)
+    pairs = [{"prompt": m["messages"][0]["content"], "completion": m["messages"][1]["content"]}
+             for m in chat_rows(4)]  # fmt: skip
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chats + pairs))
+    raw = run_config(tiny_run, tmp_path / "out")
+    raw["data"] = {"train": str(data)}
+    config = write_yaml(tmp_path / "r.yaml", raw)
+    assert cli.main(["preview", str(config)]) == 0
+    captured = capsys.readouterr()
+    assert f"source {data}: format messages 6 rows, prompt_completion 4 rows" in captured.out
+    assert "data (messages 6 rows, prompt_completion 4 rows): 10 rows -> 10 examples" in (
+        captured.err
+    )
+    assert "warning" not in captured.err
+    assert cli.main(["preview", str(config), "data.format=messages"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        f"slipstream: warning: data source '{data}' (train): 4 of 10 rows (40%) are not trained "
+        "on (missing_field 4; first: row 6: missing_field: no 'messages')"
+    ]

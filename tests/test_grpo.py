@@ -300,3 +300,29 @@ def test_keyword_defaults_equal_the_config_sections():
     from slipstream.objectives.grpo import DEFAULTS
 
     assert GRPOSection().model_dump() == DEFAULTS
+
+
+def test_prompt_text_parts_are_joined_and_image_parts_counted(tmp_path):
+    from helpers.tokenizers import save_test_tokenizer
+    from transformers import AutoTokenizer
+
+    from slipstream.generation.api import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(save_test_tokenizer(tmp_path, "chatml", vocab_size=300))
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "1+1?"}]
+    image = [{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is it?"}]
+    rows = [
+        {"prompt": [{"role": "user", "content": parts}], "answer": "2"},
+        {"prompt": [{"role": "user", "content": image}], "answer": "cat"},
+    ]
+    examples, report = tokenize_prompts(rows, tok, max_prompt_tokens=64)
+    plain = [{"role": "user", "content": "What is 1+1?"}]
+    assert [ex.prompt_ids for ex in examples] == [prompt_ids(plain, tok)]
+    assert examples[0].prompt == rows[0]["prompt"]  # the rewards get the row's own prompt
+    assert dict(report.skipped) == {"image_part": 1} and "need a vision model" in (
+        report.first_skip
+    )
+    # generate() and the generate command read parts the same way.
+    assert prompt_ids(rows[0]["prompt"], tok) == prompt_ids(plain, tok)
+    with pytest.raises(ValueError, match="prompt 0: message 0 part 0 is 'image': image parts"):
+        prompt_ids(rows[1]["prompt"], tok)

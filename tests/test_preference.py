@@ -241,3 +241,21 @@ def test_chitchat_pairs_are_disjoint_trl_rows(tiny, tmp_path):
     pairs, report = tokenize_pairs(train, AutoTokenizer.from_pretrained(tiny), max_tokens=512)
     assert report.kept + sum(report.skipped.values()) + report.dropped == 40
     assert report.kept >= 36
+
+
+def test_text_parts_tokenize_as_strings_and_image_parts_are_counted(tiny):
+    # TRL's / OpenAI's content parts: joined as SFT joins them (data/formats.py).
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+
+    def as_parts(messages):
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+
+    plain = _rows(2)
+    parts = [{k: as_parts(v) for k, v in row.items()} for row in plain]
+    image = {**plain[0], "prompt": [{"role": "user", "content": [{"type": "image"}]}]}
+    a, _ = tokenize_pairs(plain, tokenizer, max_tokens=512)
+    b, report = tokenize_pairs(parts + [image], tokenizer, max_tokens=512)
+    assert a == b and dict(report.skipped) == {"image_part": 1}
+    assert "'prompt' message 0 part 0 is 'image': image parts need a vision model" in (
+        report.first_skip
+    )

@@ -7,6 +7,18 @@ Formats (name: columns):
 - "alpaca": `instruction`, optional `input`, `output` -> user = instruction (+ blank line + input)
 - "text": `text` (str), raw language modelling, every token a target
 
+With `data.format: auto` each row is read in the first format whose columns it fills
+(`row_format`), so a file mixing `messages` rows and `prompt`/`completion` rows trains on
+both; the columns alone pick the format of a row that fills none.
+
+A turn's content is a string or, as in TRL's and OpenAI's format, a list of parts
+(`[{"type": "text", "text": "Hello"}, ...]`): the text parts are joined with nothing between
+them, which is what the chat templates that accept parts render (Gemma 3/4, Qwen2.5-VL,
+Qwen3-VL, Qwen3.5, GLM-4 MoE, LFM2.5, SmolVLM/Idefics3 among TRL 1.16's templates); templates
+that take only strings (SmolLM2, Llama 3.x, Qwen2.5, Phi-3) would print the list or fail, and
+Qwen3's drops it, so the joined string goes to the template. An image part skips the row
+(`image_part`) until vision-language models are trained.
+
 A malformed row raises `RowError(reason, detail)`; the tokenizer counts those by `reason`.
 """
 
@@ -26,6 +38,9 @@ _DETECT = (
     ("text", {"text"}),
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+# Content part types that carry pixels (transformers/TRL: image, video; OpenAI: image_url,
+# input_image): a text model cannot read them.
+VISION_PARTS = {"image", "image_url", "input_image", "video"}
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -68,6 +83,37 @@ def detect_format(columns: Iterable[str], override: str = "auto") -> str:
     )
 
 
+def row_format(row: Mapping[str, Any], fallback: str) -> str:
+    """The first format (in detection order) whose columns this row fills, else `fallback`
+    (the format the dataset's columns detect)."""
+    for name, needed in _DETECT:
+        if all(row.get(key) is not None for key in needed):
+            return name
+    return fallback
+
+
+def text_content(content: Any, where: str) -> str:
+    """A turn's content as text: a string as it is, a list of parts as its text parts joined
+    (module docstring). RowError for an image part or anything that is not text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RowError("wrong_type", f"{where}: content is {type(content).__name__}, expected str")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        if kind in VISION_PARTS:
+            raise RowError(
+                "image_part", f"{where} part {j} is {kind!r}: image parts need a vision model"
+            )
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RowError(
+                "wrong_type", f"{where} part {j} is not a text part {{'type': 'text', 'text': str}}"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _field(row: Mapping[str, Any], key: str, kind: type, *, optional: bool = False) -> Any:
     value = row.get(key)
     if value is None:
@@ -90,13 +136,15 @@ def _turns(value: list, role_key: str, text_key: str, roles: Mapping[str, str]) 
         if role is None or text is None:
             missing = role_key if role is None else text_key
             raise RowError("missing_field", f"turn {i} has no {missing!r}")
-        if not isinstance(role, str) or not isinstance(text, str):
-            raise RowError("wrong_type", f"turn {i}: {role_key!r}/{text_key!r} must be strings")
+        if not isinstance(role, str) or not isinstance(text, (str, list)):
+            raise RowError(
+                "wrong_type", f"turn {i}: {role_key!r}/{text_key!r} must be strings (or text parts)"
+            )
         if role not in roles:
             raise RowError(
                 "bad_role", f"turn {i} has role {role!r}; expected one of {sorted(roles)}"
             )
-        out.append({"role": roles[role], "content": text})
+        out.append({"role": roles[role], "content": text_content(text, f"turn {i}")})
     return out
 
 

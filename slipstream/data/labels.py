@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.data.formats import RowError, detect_format, to_messages
+from slipstream.data.formats import RowError, detect_format, row_format, to_messages
 
 PARALLEL_MIN_ROWS = 20_000  # below this, process start-up costs more than it saves
 
@@ -52,16 +52,36 @@ class DataReport:
     first_skip: str = ""  # the first skipped row's reason, so the user can find it
     format: str = ""  # the row format read (detected or given)
     dropped_lengths: Counter = field(default_factory=Counter)  # tokens -> examples dropped
+    formats: Counter = field(default_factory=Counter)  # format -> rows read in it (auto)
+
+    def format_text(self) -> str:
+        """The format read, or each format's row count when rows came in several."""
+        if len(self.formats) > 1:
+            return ", ".join(f"{k} {v} rows" for k, v in self.formats.most_common())
+        return next(iter(self.formats), self.format)
 
     def summary(self) -> str:
         skipped = sum(self.skipped.values())
         why = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
         share = 100.0 * self.target_tokens / max(self.tokens, 1)
-        fmt = f" ({self.format})" if self.format else ""
+        fmt = f" ({self.format_text()})" if self.format_text() else ""
         line = f"data{fmt}: {self.rows} rows -> {self.kept} examples, {self.tokens} tokens "
         line += f"({share:.0f}% targets); skipped {skipped}"
         line += f" ({why}; first: {self.first_skip})" if skipped else ""
         return line + f"; truncated {self.truncated}; dropped {self.dropped} over the length limit"
+
+    def warning(self) -> str | None:
+        """A line of its own when more than a quarter of the rows were skipped or dropped."""
+        skipped, lost = sum(self.skipped.values()), sum(self.skipped.values()) + self.dropped
+        if lost * 4 <= self.rows:
+            return None
+        why = [f"{k} {v}" for k, v in self.skipped.most_common()]
+        why += [f"over the length limit {self.dropped}"] if self.dropped else []
+        first = f"; first: {self.first_skip}" if skipped else ""
+        return (
+            f"{lost} of {self.rows} rows ({100 * lost / self.rows:.0f}%) are not trained on "
+            f"({', '.join(why)}{first})"
+        )
 
 
 def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -123,11 +143,24 @@ def encode_text(tokenizer: Any, text: str) -> Example:
 
 
 def _encode_row(
-    row: Mapping[str, Any], tokenizer: Any, fmt: str, train_on: str, max_tokens: int, overlong: str
-) -> tuple[Example | None, str, bool]:
-    """-> (example or None, status "ok" | skip reason | "dropped", truncated?)."""
+    row: Mapping[str, Any],
+    tokenizer: Any,
+    fmt: str,
+    train_on: str,
+    max_tokens: int,
+    overlong: str,
+    auto: bool = False,
+) -> tuple[Example | None, str, bool, str]:
+    """-> (example or None, status "ok" | skip reason | "dropped", truncated?, the row's
+    format: its own with `auto`, else `fmt`)."""
     if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
         row = json.loads(row["_json"])
+    fmt = row_format(row, fmt) if auto else fmt
+    ex, status, truncated = _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong)
+    return ex, status, truncated, fmt
+
+
+def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong):
     try:
         content = to_messages(row, fmt)
     except RowError as e:
@@ -153,23 +186,25 @@ def _encode_row(
     return ex, "ok", truncated
 
 
-def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong):
-    ex, status, truncated = _encode_row(row, tokenizer, fmt, train_on, max_tokens, overlong)
+def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong, auto):
+    ex, status, truncated, fmt = _encode_row(
+        row, tokenizer, fmt, train_on, max_tokens, overlong, auto
+    )
     return {
         "ids": ex.input_ids if ex else [],
         "mask": ex.trainable if ex else [],
         "status": status,
         "truncated": truncated,
+        "format": fmt,
     }
 
 
 def _columns(rows: Any) -> list[str]:
-    if hasattr(rows, "column_names"):
-        cols = list(rows.column_names)
-        if cols == ["_json"]:
-            cols = list(json.loads(rows[0]["_json"])) if len(rows) else []
-        return cols
-    return list(rows[0]) if len(rows) else []
+    """The dataset's columns: every key some row has (rows kept as JSON, lists of dicts)."""
+    if hasattr(rows, "column_names") and list(rows.column_names) != ["_json"]:
+        return list(rows.column_names)
+    as_dicts = (json.loads(r["_json"]) if "_json" in r and len(r) == 1 else r for r in rows)
+    return list(dict.fromkeys(key for row in as_dicts for key in row))
 
 
 def tokenize_rows(
@@ -193,7 +228,7 @@ def tokenize_rows(
     `limit_name` is the setting that set `max_tokens`, named when every example is over it.
     """
     fmt = _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong)
-    args = (tokenizer, fmt, train_on, max_tokens, overlong)
+    args = (tokenizer, fmt, train_on, max_tokens, overlong, format == "auto")
     if num_proc is None:
         num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
     if num_proc > 1 and hasattr(rows, "map"):
@@ -232,7 +267,7 @@ def _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong
 
 def _encode_in_processes(rows: Any, args: tuple, num_proc: int):
     """(example or None, status, truncated) per row, tokenized by `datasets` in processes."""
-    names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong")
+    names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong", "auto")
     mapped = rows.map(
         _map_fn,
         fn_kwargs=dict(zip(names, args)),
@@ -242,13 +277,14 @@ def _encode_in_processes(rows: Any, args: tuple, num_proc: int):
     )
     for r in mapped:
         ex = Example(r["ids"], r["mask"]) if r["status"] == "ok" else None
-        yield ex, r["status"], r["truncated"]
+        yield ex, r["status"], r["truncated"], r["format"]
 
 
 def _collect(results, report: DataReport, first_row: int, strict: bool):
     """Keep the encoded examples; count every drop and skip in `report` (or raise if strict)."""
     examples = []
-    for index, (ex, status, truncated) in enumerate(results, start=first_row):
+    for index, (ex, status, truncated, fmt) in enumerate(results, start=first_row):
+        report.formats[fmt] += 1
         report.truncated += truncated
         if status.startswith("dropped"):
             report.dropped += 1

@@ -92,8 +92,11 @@ def _read_json(path: Path) -> list[dict]:
 
 
 def _rows_to_dataset(rows: list[dict]) -> datasets.Dataset:
+    # Every key any row has (`Dataset.from_list` keeps only the first row's keys, which
+    # dropped the prompt/completion of a file that starts with a messages row).
+    keys = dict.fromkeys(key for row in rows for key in row)
     try:
-        return datasets.Dataset.from_list(rows)
+        return datasets.Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys})
     except Exception:  # Arrow could not unify the rows' types; keep each row as JSON text
         return datasets.Dataset.from_dict({"_json": [json.dumps(r) for r in rows]})
 

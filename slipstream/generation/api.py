@@ -125,7 +125,8 @@ def prompt_ids(prompt: Any, tokenizer: Any, index: int = 0) -> list[int]:
         ids = tokenizer(prompt)["input_ids"]
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         _need_tokenizer(tokenizer, index, "a chat message list")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        messages = [_text_message(m, index, i) for i, m in enumerate(prompt)]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding (transformers 5)
             ids = ids["input_ids"]
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
@@ -138,6 +139,19 @@ def prompt_ids(prompt: Any, tokenizer: Any, index: int = 0) -> list[int]:
     if len(ids) == 0:
         raise ValueError(f"prompt {index} is empty (no tokens); give at least one token")
     return list(ids)
+
+
+def _text_message(message: dict, index: int, i: int) -> dict:
+    """A message whose content is a list of text parts, with the parts joined as training
+    joins them (data/formats.py); an image part is an error (no vision model here)."""
+    if not isinstance(message.get("content"), list):
+        return message
+    from slipstream.data.formats import RowError, text_content
+
+    try:
+        return {**message, "content": text_content(message["content"], f"message {i}")}
+    except RowError as e:
+        raise ValueError(f"prompt {index}: {e.detail}") from None
 
 
 def _need_tokenizer(tokenizer: Any, index: int, what: str) -> None:

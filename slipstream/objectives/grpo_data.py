@@ -2,7 +2,8 @@
 training micro-batches the loss reads.
 
 Rows have a `prompt` column (a string, or a list of chat messages rendered with the chat
-template and its generation prompt, as `slipstream.generate` renders them) and any other
+template and its generation prompt, as `slipstream.generate` renders them; a content of
+text parts is joined as SFT joins it, data/formats.py) and any other
 columns the reward functions read (kept as they are, handed to the rewards per completion).
 A prompt over `max_prompt_tokens` is dropped (`data.overlong: drop`, counted) or keeps its
 last tokens (`truncate`, TRL's left truncation); a row without a usable prompt is counted
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from slipstream.data.formats import RowError, text_content
 from slipstream.data.labels import DataReport
 from slipstream.ops.packing import SeqInfo, to_device
 
@@ -61,10 +63,14 @@ def check_prompt_column(columns: Sequence[str], source: str = "data") -> None:
 def _encode(tokenizer: Any, prompt: Any) -> list[int]:
     from slipstream.generation.api import prompt_ids
 
-    if isinstance(prompt, list) and not all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in prompt
-    ):
-        raise ValueError("'prompt' messages need a 'role' and 'content' each")
+    if isinstance(prompt, list):
+        if not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in prompt):
+            raise ValueError("'prompt' messages need a 'role' and 'content' each")
+        # Text parts joined as SFT joins them; an image part raises RowError (its own reason).
+        prompt = [
+            {**m, "content": text_content(m.get("content"), f"'prompt' message {i}")}
+            for i, m in enumerate(prompt)
+        ]
     return prompt_ids(prompt, tokenizer)
 
 
@@ -90,12 +96,12 @@ def tokenize_prompts(
             if not isinstance(prompt, (str, list)) or not prompt:
                 raise ValueError(f"'prompt' is {type(prompt).__name__}, not text or messages")
             ids = _encode(tokenizer, prompt)
-        except ValueError as e:
+        except (ValueError, RowError) as e:
             if strict:
                 raise ValueError(
                     f"data row {index}: {e} (strict mode; fix or remove the row)"
                 ) from None
-            report.skipped["bad_prompt"] += 1
+            report.skipped[e.reason if isinstance(e, RowError) else "bad_prompt"] += 1
             report.first_skip = report.first_skip or f"row {index}: {e}"
             continue
         if len(ids) > max_prompt_tokens:

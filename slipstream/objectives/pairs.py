@@ -6,7 +6,8 @@ Formats (columns): `chosen` and `rejected`, with `prompt` (explicit prompt) or w
 becomes the prompt as TRL's `extract_prompt` finds it: the common prefix by characters for
 strings, backing off one character when that is a space, by whole messages for
 conversations). Each field is a string ("standard") or a list of {"role", "content"}
-messages ("conversational"), one kind a row. Optional `tools` and `chat_template_kwargs`
+messages ("conversational"; a message's content may be a list of text parts, joined as
+SFT joins them: data/formats.py), one kind a row. Optional `tools` and `chat_template_kwargs`
 columns reach the chat template, as in TRL.
 
 Tokens, as TRL makes them:
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from slipstream.data.formats import RowError, text_content
 from slipstream.data.labels import DataReport
 from slipstream.ops.packing import SeqInfo, to_device
 
@@ -86,12 +88,17 @@ def _check_field(row: Mapping[str, Any], key: str) -> Any:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
+        messages = []
         for i, m in enumerate(value):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise PairRowError("wrong_type", f"{key!r} message {i} has no 'role' string")
-            if not isinstance(m.get("content"), str):
+            if not isinstance(m.get("content"), (str, list)):
                 raise PairRowError("wrong_type", f"{key!r} message {i} has no 'content' string")
-        return value
+            try:  # text parts joined (data/formats.py); an image part is its own skip reason
+                messages.append({**m, "content": text_content(m["content"], f"message {i}")})
+            except RowError as e:
+                raise PairRowError(e.reason, f"{key!r} {e.detail}") from None
+        return messages
     raise PairRowError("wrong_type", f"{key!r} is {type(value).__name__}, expected str or list")
 
 

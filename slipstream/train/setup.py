@@ -61,7 +61,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
         part, report = _tokenize_source(objective, tokenizer, rows, source, "train")
         examples += part
         reports.append(report)
-        formats[source] = getattr(report, "format", "")
+        formats[source] = report.format_text()
         if eval_rows is not None:
             eval_examples += _tokenize_source(objective, tokenizer, eval_rows, source, "eval")[0]
         if len(sources) > 1:
@@ -70,7 +70,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
         rows = load_rows(source, split=d.split)
         part, eval_report = _tokenize_source(objective, tokenizer, rows, source, "eval")
         eval_examples += part
-        formats.setdefault(source, getattr(eval_report, "format", ""))
+        formats.setdefault(source, eval_report.format_text())
     report = merge_reports(reports)
     report.format = ", ".join(dict.fromkeys(getattr(r, "format", "") for r in reports))
     lengths = [objective.length(ex) for ex in examples]
@@ -101,6 +101,8 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
         raise ValueError(f"data source '{source}' ({what}): {e}") from None
     if not examples:
         raise ValueError(f"data source '{source}': no usable examples ({report.summary()})")
+    if warning := report.warning():
+        dist.print_main(f"slipstream: warning: data source '{source}' ({what}): {warning}")
     return examples, report
 
 
