@@ -110,26 +110,50 @@ def add_generation_commands(sub: Any) -> None:
     p.add_argument("prompt", nargs="?", help="the user message (the chat template is applied)")
     gen.add_sampling_args(p)
     p.add_argument("--num-return-sequences", type=int, default=1)
-    p.add_argument("--input", help="a jsonl file of prompts (batch mode; needs --output)")
-    p.add_argument("--output", help="the jsonl file of completions (batch mode)")
+    p.add_argument("--input", help='a jsonl file of prompts, a {"prompt"|"messages"|"input_ids": '
+                   '...} object a line; its other fields (an "id") are copied into each output '
+                   "row (batch mode; needs --output)")  # fmt: skip
+    p.add_argument("--output", help="the jsonl file of completions (batch mode; its folder is "
+                   "created; written as OUTPUT.partial until every prompt is done)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32, help="prompts a batch (batch mode)")
     p.add_argument("--logprobs", action="store_true", help="write each token's log-prob")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     p.set_defaults(run=gen.cmd_generate)
 
-    p = sub.add_parser("chat", help="chat with a model or a run, replies streamed")
+    p = sub.add_parser(
+        "chat", help="chat with a model or a run, replies streamed",
+        description="Chat with a model or a run; the replies are streamed.",
+        epilog=chat_commands(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     gen.add_model_args(p)
     gen.add_sampling_args(p, max_new_tokens=512)
     p.add_argument("--system", help="a system message to start the chat with")
     p.set_defaults(run=gen.cmd_chat)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from slipstream.config import check_output_dir, load_config
+def chat_commands() -> str:
+    from slipstream.generation.chat import COMMANDS
+
+    return COMMANDS
+
+
+def read_run_config(args: argparse.Namespace):
+    """The run config of `train`/`preview`, its paths (model, data, template) and the model's
+    type checked: before torch is imported, a tokenizer loads or a weight is read."""
+    from slipstream.checkpoint.model_type import check_model_source
+    from slipstream.config import load_config
     from slipstream.sources import check_run_paths
 
     cfg = load_config(args.config, args.overrides)
-    check_run_paths(cfg)  # model, data, template: before torch is imported or a weight read
+    check_run_paths(cfg)
+    check_model_source(cfg.model.path)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from slipstream.config import check_output_dir
+
+    cfg = read_run_config(args)
     check_output_dir(cfg.output_dir)
     import torch
 
@@ -161,11 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_preview(args: argparse.Namespace) -> int:
-    from slipstream.config import load_config
-    from slipstream.sources import check_run_paths
-
-    cfg = load_config(args.config, args.overrides)
-    check_run_paths(cfg)
+    cfg = read_run_config(args)
     from slipstream.preview import preview
 
     print(preview(cfg, color=sys.stdout.isatty()))

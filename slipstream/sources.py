@@ -14,9 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # Local data files by suffix (and what `datasets` calls their builder).
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -119,30 +120,56 @@ def check_model_path(source: str, what: str = "model.path") -> None:
 
 
 def gguf_type(path: Path) -> str | None:
-    """A GGUF file's `general.type` ("model", "adapter"; None when unset or unreadable).
+    """A GGUF file's `general.type` ("model", "adapter"; None when unset or unreadable)."""
+    return gguf_header_string(path, "general.type")
 
-    Read from the header by hand, stopping at the key: gguf.GGUFReader parses every key and
-    the vocabulary first (5 s for SmolLM2 on a loaded 2-core machine)."""
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+# GGUF value types: fixed sizes by type id; 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_header_string(path: Path, key: str, max_keys: int = 64) -> str | None:
+    """The string value of `key` in a little-endian GGUF (v2+) file's header; None when it
+    is not among the first `max_keys` keys or the file is not a GGUF.
+
+    Read by hand, stopping at the key: gguf.GGUFReader parses every key and tensor first
+    (2.6-5 s for the SmolLM2 demo file on a loaded 2-core machine)."""
     try:
         with open(path, "rb") as f:
-            if f.read(4) != b"GGUF" or int.from_bytes(f.read(4), "little") < 2:
+            magic, version = f.read(4), _unpack(f, "<I")
+            if magic != b"GGUF" or not 2 <= version < 1 << 16:
                 return None
-            f.read(8)  # tensor count
-            for _ in range(min(int.from_bytes(f.read(8), "little"), 64)):
-                key = f.read(int.from_bytes(f.read(8), "little")).decode("utf-8", "replace")
-                kind = int.from_bytes(f.read(4), "little")
-                if kind == 8:  # a string
-                    value = f.read(int.from_bytes(f.read(8), "little"))
-                    if key == "general.type":
-                        return value.decode("utf-8", "replace")
-                elif kind in sizes:
-                    f.read(sizes[kind])
-                else:  # an array (the vocabulary): general.* keys come before it
-                    return None
-    except OSError:
+            _unpack(f, "<Q")  # tensor count
+            for _ in range(min(_unpack(f, "<Q"), max_keys)):
+                name, kind = _gguf_string(f), _unpack(f, "<I")
+                if name == key and kind == 8:
+                    return _gguf_string(f)
+                _gguf_skip(f, kind)
+    except (OSError, struct.error, UnicodeDecodeError, KeyError):
         return None
     return None
+
+
+def _unpack(f: BinaryIO, fmt: str) -> int:
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def _gguf_string(f: BinaryIO) -> str:
+    return f.read(_unpack(f, "<Q")).decode("utf-8")
+
+
+def _gguf_skip(f: BinaryIO, kind: int) -> None:
+    if kind == 8:
+        f.seek(_unpack(f, "<Q"), 1)
+    elif kind == 9:
+        item, count = _unpack(f, "<I"), _unpack(f, "<Q")
+        if item in _GGUF_SIZES:
+            f.seek(_GGUF_SIZES[item] * count, 1)
+        else:
+            for _ in range(count):
+                _gguf_skip(f, item)
+    else:
+        f.seek(_GGUF_SIZES[kind], 1)
 
 
 def lora_gguf_error(path: str | Path, what: str) -> str:

@@ -229,3 +229,32 @@ def test_generate_replies_as_transformers_and_peft_do(tiny_run, tmp_path, capsys
     )
     assert cli.main(["generate", str(adapter), prompt]) == 2
     assert "names no base model; pass --base MODEL" in capsys.readouterr().err
+
+
+def test_unsupported_model_type_exits_2_before_tokenizing(tiny_run, tmp_path, monkeypatch, capsys):
+    """preview, train and generate on a model type slipstream cannot build: one line listing
+    the supported types, said from config.json before a tokenizer (or the data) loads; the
+    Python API's build_data says it before tokenizing too."""
+    import slipstream.checkpoint.hf as hf
+    from slipstream.config import load_config
+    from slipstream.models import FAMILIES
+    from slipstream.train.setup import build_data
+
+    def no_load(*a, **k):
+        raise AssertionError("a tokenizer or model loaded before the model type was checked")
+
+    monkeypatch.setattr(hf, "load_tokenizer", no_load)
+    monkeypatch.setattr(hf, "load_model", no_load)
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    raw = lora_config(tiny_run, tmp_path / "out")
+    raw["model"]["path"] = str(model)
+    config = write_yaml(tmp_path / "run.yaml", raw)
+    said = f"model_type 'gpt2' is not supported; supported: {', '.join(sorted(FAMILIES))}."
+    for argv in (["preview", str(config)], ["train", str(config)], ["generate", str(model), "Hi"]):
+        assert cli.main(argv) == 2, argv
+        assert error_line(capsys).endswith(f"{model / 'config.json'}: {said}")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        build_data(load_config(str(config)), tokenizer=None)

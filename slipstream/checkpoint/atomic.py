@@ -4,7 +4,8 @@ Temporary file in the target's folder, fsync, the mode a plain `open()` would gi
 the umask: `mkstemp` makes 0600, which left adapters and configs unreadable to the rest of a
 group), `os.replace` over the target, fsync of the folder: an interrupted save never leaves
 half a file where a reader expects a whole one. A full disk is a `DiskFullError` (exit 2) and
-the temporary file is removed (docs/reliability.md).
+the temporary file is removed (docs/reliability.md). A file written piece by piece
+(`staged_file`) grows in `NAME.partial`, renamed over NAME when it is whole.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 
 class DiskFullError(OSError):
@@ -154,3 +157,29 @@ def atomic_write_files(folder: str | os.PathLike, write_into: Callable[[Path], o
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
+@contextmanager
+def staged_file(path: str | os.PathLike) -> Iterator[TextIO]:
+    """A text file written piece by piece into `path`.partial (opened at once: an unwritable
+    place fails before any work) and renamed over `path` when the block ends (fsync, rename,
+    fsync of the folder). A reader never finds half a file under `path`; after a failure what
+    was written stays in `path`.partial (removed when nothing was)."""
+    path, tmp = Path(path), partial_path(path)
+    f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115 (closed below, on both paths)
+    try:
+        yield f
+        f.close()
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        f.close()
+        if tmp.exists() and tmp.stat().st_size == 0:
+            tmp.unlink()
+        raise
+    fsync_path(path.parent)

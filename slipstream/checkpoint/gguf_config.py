@@ -51,11 +51,7 @@ def hf_config_from_gguf(reader: Any, path: Any = "GGUF file") -> dict:
         from slipstream.sources import lora_gguf_error
 
         raise ValueError(lora_gguf_error(path, "load_model"))
-    if arch not in MODEL_TYPES:
-        supported = ", ".join(MODEL_TYPES)
-        raise ValueError(
-            f"{path}: GGUF architecture {arch!r} cannot be imported; supported: {supported}."
-        )
+    model_type_for(arch, path)
     names = {t.name for t in reader.tensors}
     config = _common(reader, arch, names)
     if arch == "llama":
@@ -73,6 +69,16 @@ def hf_config_from_gguf(reader: Any, path: Any = "GGUF file") -> dict:
     elif arch == "gemma3":
         _gemma3(config, reader)
     return _complete(config)
+
+
+def model_type_for(arch: str | None, path: Any = "GGUF file") -> str:
+    """Our model_type of a llama.cpp architecture, or a one-line error listing those we read."""
+    if arch not in MODEL_TYPES:
+        supported = ", ".join(MODEL_TYPES)
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} cannot be imported; supported: {supported}."
+        )
+    return MODEL_TYPES[arch]
 
 
 def _common(reader: Any, arch: str, names: set[str]) -> dict:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from slipstream.generation import engine
+from slipstream.generation.options import check_options
 from slipstream.generation.sampling import Sampling
 
 # End-of-turn tokens of common chat templates (ChatML/Qwen/SmolLM2, Llama 3, Phi-3, Gemma,
@@ -65,10 +66,7 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
                   on_text: TextSink | None = None) -> list[Completion]:  # fmt: skip
     """`generate` with the engine's knobs: `check_every` tokens between stop checks, and
     `on_text(i, new_text)` called with each completion's text as it grows (streaming)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens is {max_new_tokens}; give at least 1")
-    if num_return_sequences < 1:
-        raise ValueError(f"num_return_sequences is {num_return_sequences}; give at least 1")
+    check_options(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences)
     sampling = Sampling(float(temperature), float(top_p), int(top_k))
     ids = [prompt_ids(p, tokenizer, i) for i, p in enumerate(_check_prompts(prompts))]
     context = model.config.hf.get("max_position_embeddings")

@@ -2,18 +2,24 @@
 `slipstream chat` (interactive, streamed): loading a model or a run's adapter, the sampling
 flags, the jsonl formats.
 
-jsonl in: one object a line with `prompt` (a user message: the chat template is applied
-unless --raw), `messages` (a chat) or `input_ids`. jsonl out: one object a completion,
-`{"line", "sample", "text", "token_ids", "finish_reason"}` (+ `logprobs` with --logprobs).
+Every flag and every input row is checked before a model loads. jsonl in: one object a line
+with `prompt` (a user message: the chat template is applied unless --raw), `messages` (a
+chat) or `input_ids`, and any other fields (an "id"). jsonl out: one object a completion, the
+input row's fields and `{"line", "sample", "text", "token_ids", "finish_reason"}` (+
+`logprobs` with --logprobs), written batch by batch into OUT.partial and renamed to OUT when
+every prompt is done (after a failure or Ctrl-C, OUT.partial holds the finished prompts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from slipstream.generation.options import check_options, flag
 
 if TYPE_CHECKING:  # imported where used: `slipstream --help` must not import torch
     from slipstream.generation.api import Completion
@@ -39,8 +45,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)  # fmt: skip
 
 
-def load(args: argparse.Namespace):
-    """(model, tokenizer) of a model folder, or of an adapter folder on its base model."""
+def load(args: argparse.Namespace, chat: bool = False):
+    """(model, tokenizer) of a model folder, or of an adapter folder on its base model;
+    `chat`: the tokenizer must have a chat template (said before the weights load)."""
+    from slipstream.checkpoint.model_type import check_model_source
     from slipstream.sources import adapter_base, check_model_path
 
     src = Path(args.model)
@@ -48,11 +56,14 @@ def load(args: argparse.Namespace):
     base = args.base or (adapter_base(adapter) if adapter else args.model)
     what = "--base" if args.base else f"the base in {adapter}" if adapter else "model"
     check_model_path(base, what)  # before torch: a missing path is said to be one at once
+    check_model_source(base, what)  # and a model type we cannot build
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
     from slipstream.checkpoint.hf import load_model, load_tokenizer, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base, what)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {args.model} has no chat template; use generate")
     model = load_model(base, dtype=resolve_dtype("auto", device), device=device)
     if adapter:
         load_adapter(model, adapter)
@@ -66,29 +77,74 @@ def as_prompt(text: str, tokenizer: Any, raw: bool) -> Any:
     return [{"role": "user", "content": text}]
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The flags' values, before any model loads (a load takes seconds)."""
+    check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k,
+                  num_return_sequences=getattr(args, "num_return_sequences", 1),
+                  name=flag)  # fmt: skip
+    if getattr(args, "batch_size", 1) < 1:
+        raise ValueError(f"--batch-size is {args.batch_size}; give at least 1")
+    if "" in (args.stop or []):
+        raise ValueError("--stop is an empty string; give the text to stop at")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
+    check_args(args)
     if (args.prompt is None) == (args.input is None):
         raise ValueError('give one prompt ("text") or --input FILE.jsonl, not both or neither')
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError('the prompt is empty; give the text to complete: generate MODEL "text"')
     if args.input is not None and args.output is None:
         raise ValueError("--input needs --output FILE.jsonl for the completions")
-    rows = read_jsonl(Path(args.input)) if args.input else None
-    model, tokenizer = load(args)
-    from slipstream.generation.api import generate_rows
+    if args.input is None:
+        model, tokenizer = load(args)
+        from slipstream.generation.api import generate_rows
 
-    kw = dict(sampling_kwargs(args), tokenizer=tokenizer, return_logprobs=args.logprobs,
-              num_return_sequences=args.num_return_sequences)  # fmt: skip
-    if rows is None:
-        for c in generate_rows(model, [as_prompt(args.prompt, tokenizer, args.raw)], **kw):
+        prompt = as_prompt(args.prompt, tokenizer, args.raw)
+        for c in generate_rows(model, [prompt], **generate_kwargs(args, tokenizer)):
             print(c.text.strip())
         return 0
-    prompts = [row_prompt(row, i, tokenizer, args.raw) for i, row in rows]
-    write_completions(model, prompts, [i for i, _ in rows], Path(args.output), args, kw)
+    rows = read_jsonl(Path(args.input))
+    out = output_path(args.output)
+    from slipstream.checkpoint.atomic import staged_file
+
+    with staged_file(out) as f:  # opened before the model loads, so nothing waits on it
+        model, tokenizer = load(args)
+        prompts = [row_prompt(row, tokenizer, args.raw) for _, row in rows]
+        written = write_completions(model, prompts, rows, f, args, generate_kwargs(args, tokenizer))
+    print(f"slipstream: {written} completions of {len(prompts)} prompts written to {out}")
     return 0
 
 
+def generate_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    return dict(sampling_kwargs(args), tokenizer=tokenizer, return_logprobs=args.logprobs,
+                num_return_sequences=args.num_return_sequences)  # fmt: skip
+
+
+def output_path(text: str) -> Path:
+    """--output as a file path; its folder is created when missing (before any work)."""
+    out = Path(text).expanduser()
+    if out.is_dir():
+        raise ValueError(f"--output '{out}' is a folder; give a file such as {out / 'gen.jsonl'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"--output: cannot create the folder {out.parent} ({e.strerror})"
+        ) from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output: the folder {out.parent} is not writable; give another path")
+    return out
+
+
+# Keys of an output row: an input row's own fields keep their names beside them, so these
+# must not be among them.
+OUTPUT_KEYS = ("line", "sample", "text", "token_ids", "finish_reason", "logprobs")
+
+
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of each prompt row, every row checked before a model loads."""
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
@@ -99,40 +155,67 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg}); give one object a line") from None
         if not isinstance(row, dict) or not {"prompt", "messages", "input_ids"} & set(row):
             raise ValueError(f"{path}:{n}: give an object with 'prompt', 'messages' or 'input_ids'")
+        check_row(row, f"{path}:{n}")
         rows.append((n, row))
     if not rows:
         raise ValueError(f"{path} has no prompts")
     return rows
 
 
-def row_prompt(row: dict, line: int, tokenizer: Any, raw: bool) -> Any:
+def check_row(row: dict, where: str) -> None:
+    clash = [k for k in OUTPUT_KEYS if k in row]
+    if clash:
+        raise ValueError(
+            f"{where}: field '{clash[0]}' is also an output field ({', '.join(OUTPUT_KEYS)}); "
+            "the output keeps the input's fields, so rename it"
+        )
+    key = next(k for k in ("messages", "input_ids", "prompt") if k in row)
+    value = row[key]
+    ok = {
+        "messages": isinstance(value, list) and value and all(isinstance(m, dict) for m in value),
+        "input_ids": isinstance(value, list) and value and all(type(t) is int for t in value),
+        "prompt": isinstance(value, str) and value.strip(),
+    }[key]
+    if not ok:
+        what = {"messages": "a non-empty list of {'role': ..., 'content': ...} objects",
+                "input_ids": "a non-empty list of token ids",
+                "prompt": "a non-empty string"}[key]  # fmt: skip
+        raise ValueError(f"{where}: '{key}' must be {what}")
+
+
+def row_prompt(row: dict, tokenizer: Any, raw: bool) -> Any:
     if "messages" in row:
         return row["messages"]
     if "input_ids" in row:
         return row["input_ids"]
-    if not isinstance(row["prompt"], str):
-        raise ValueError(f"line {line}: 'prompt' must be a string")
     return as_prompt(row["prompt"], tokenizer, raw)
 
 
-def write_completions(model, prompts, lines, out: Path, args, kw) -> None:
-    """Generate in batches of --batch-size prompts with a progress bar; write atomically."""
+def write_completions(model, prompts, rows, f: TextIO, args, kw) -> int:
+    """Generate in batches of --batch-size prompts with a progress bar, each batch's rows
+    written (and flushed) as it finishes: after a failure or Ctrl-C they are in OUT.partial.
+    Returns the completions written."""
     from tqdm import tqdm
 
-    from slipstream.checkpoint.atomic import atomic_write_text
     from slipstream.generation.api import generate_rows
 
-    done: list[str] = []
-    with tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr) as bar:
-        for start in range(0, len(prompts), args.batch_size):
-            batch = prompts[start : start + args.batch_size]
-            n = kw["num_return_sequences"]
-            for k, c in enumerate(generate_rows(model, batch, **kw)):
-                line = lines[start + c.prompt_index]
-                done.append(json.dumps(completion_row(c, line, k % n)))
-            bar.update(len(batch))
-    atomic_write_text(out, "".join(line + "\n" for line in done))
-    print(f"slipstream: {len(done)} completions of {len(prompts)} prompts written to {out}")
+    written, n = 0, kw["num_return_sequences"]
+    try:
+        with tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr) as bar:
+            for start in range(0, len(prompts), args.batch_size):
+                batch = prompts[start : start + args.batch_size]
+                for k, c in enumerate(generate_rows(model, batch, **kw)):
+                    line, row = rows[start + c.prompt_index]
+                    f.write(json.dumps({**row, **completion_row(c, line, k % n)}) + "\n")
+                    written += 1
+                f.flush()
+                bar.update(len(batch))
+    except BaseException:
+        if written:
+            print(f"slipstream: stopped after {written // n} of {len(prompts)} prompts; their "
+                  f"completions are in {f.name}", file=sys.stderr)  # fmt: skip
+        raise
+    return written
 
 
 def completion_row(c: Completion, line: int, sample: int) -> dict:
@@ -144,31 +227,17 @@ def completion_row(c: Completion, line: int, sample: int) -> dict:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Read a message, stream the reply, repeat; an empty line or Ctrl-D ends the chat."""
-    model, tokenizer = load(args)
+    """Read a message, stream the reply, repeat (generation/chat.py: the loop, its commands)."""
+    check_args(args)
+    model, tokenizer = load(args, chat=True)
     from slipstream.generation.api import generate_rows
+    from slipstream.generation.chat import chat_loop
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {args.model} has no chat template; use generate")
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    while True:
-        try:
-            text = input("you> ")
-        except EOFError:
-            break
-        if not text.strip():
-            break
-        messages.append({"role": "user", "content": text})
-        print("assistant> ", end="", flush=True)
-
-        def show(i: int, new: str) -> None:
-            print(new, end="", flush=True)
-
+    def respond(messages: list[dict], on_text) -> str:
         # A stop check (one sync) every 2 tokens: the reply appears as it is written.
-        reply = generate_rows(model, [messages], tokenizer=tokenizer, check_every=2,
-                              on_text=show, **sampling_kwargs(args))[0]  # fmt: skip
-        print()
-        messages.append({"role": "assistant", "content": reply.text})
+        return generate_rows(model, [messages], tokenizer=tokenizer, check_every=2,
+                             on_text=lambda i, new: on_text(new),
+                             **sampling_kwargs(args))[0].text  # fmt: skip
+
+    chat_loop(respond, system=args.system)
     return 0

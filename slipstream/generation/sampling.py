@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.generation.options import check_options
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -25,12 +27,7 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature is {self.temperature}; give 0 (greedy) or more")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p is {self.top_p}; give a value in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k is {self.top_k}; give 0 (off) or a positive count")
+        check_options(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
     @property
     def greedy(self) -> bool:

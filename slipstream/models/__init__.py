@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from slipstream.models.weights import WeightMap
+if TYPE_CHECKING:  # not imported here: `check_model_type` answers before torch loads
+    from slipstream.models.weights import WeightMap
 
 # model_type -> module name under slipstream.models
 FAMILIES: dict[str, str] = {
@@ -26,13 +28,20 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
-    """The family module for `model_type`, or a one-line error listing the supported ones."""
+def check_model_type(model_type: str | None, source: str = "config.json") -> None:
+    """A one-line error, listing the supported types, for a model_type slipstream cannot build.
+    The one place that decides it: `family_for` and the early checks before data or weights
+    load (`checkpoint.model_type.check_model_source`) all call it."""
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported; supported: {supported}."
         )
+
+
+def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
+    """The family module for `model_type`, or a one-line error listing the supported ones."""
+    check_model_type(model_type, source)
     return importlib.import_module(f"slipstream.models.{FAMILIES[model_type]}")
 
 

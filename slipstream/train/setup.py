@@ -38,6 +38,7 @@ class RunData:
 def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData:
     """Load, tokenize (as the objective does) and split each source, pool them and pack;
     report what was skipped, truncated or dropped."""
+    from slipstream.checkpoint.model_type import check_model_source
     from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
     from slipstream.data.load import EmptySplitError
     from slipstream.data.sharded import merge_reports
@@ -45,6 +46,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
     from slipstream.sources import check_run_paths, sources_of
 
     check_run_paths(cfg)  # every file, before the first is read
+    check_model_source(cfg.model.path)  # a model we cannot build: said before tokenizing
     d, t = cfg.data, cfg.train
     objective = objective if objective is not None else build_objective(cfg)
     examples, eval_examples, reports, formats = [], [], [], {}
