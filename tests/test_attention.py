@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers.models import compiled_graphs
 
+from slipstream.debug import count_syncs
 from slipstream.ops import attention
 from slipstream.ops.attention import attend, dense_causal_mask
 from slipstream.ops.packing import SeqInfo
@@ -58,15 +59,64 @@ def test_attend_matches_per_sequence_reference(window, per_sequence, monkeypatch
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_attend_with_sinks_matches_reference(window):
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_attend_with_sinks_matches_reference(window, per_sequence, monkeypatch):
+    if per_sequence:
+        monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", 0)
     q, k, v = _qkv(sum(LENGTHS), H=4, G=1)
     sinks = torch.randn(4, requires_grad=True)
     out = attend(q, k, v, SeqInfo.from_lengths(LENGTHS), window=window, sinks=sinks)
     ref = _reference(q, k, v, LENGTHS, window=window, sinks=sinks)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    g = torch.autograd.grad(out.sum(), sinks)[0]
-    r = torch.autograd.grad(ref.sum(), sinks)[0]
-    torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_per_sequence_picked_from_host_lengths(monkeypatch):
+    """One call per sequence unless the batch is short and its sequences tiny; never the
+    dense mask above DENSE_MASK_MAX_TOKENS."""
+    wins = attention.per_sequence_wins
+    assert wins([1024])  # causal flash skips the masked half: beats the dense mask
+    assert wins([128] * 8) and wins([8] * 128)  # T=1024: T^2 dwarfs the calls' cost
+    assert not wins([8] * 8)  # T=64 in 8 calls: the per-call cost dominates
+    assert not wins([5, 1, 9, 3])
+    monkeypatch.setattr(attention, "PER_SEQUENCE_CALL_COST", 10**9)
+    assert wins([1] * (attention.DENSE_MASK_MAX_TOKENS + 1))
+    assert not wins([1] * attention.DENSE_MASK_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,sinks", [(None, False), (6, False), (None, True), (6, True)])
+def test_per_sequence_path_equals_dense_mask_path(dtype, window, sinks, monkeypatch):
+    """Forward and backward of the two CPU paths agree on a batch with long and tiny
+    sequences (float32 tightly; bf16 within its rounding)."""
+    lengths = [37, 1, 20, 2, 9]
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(sum(lengths), H=6, G=2))
+    sink = torch.randn(6, requires_grad=True) if sinks else None
+    seq = SeqInfo.from_lengths(lengths)
+    results = []
+    for cost, cap in ((10**9, 4096), (0, 0)):  # dense mask, then per sequence
+        monkeypatch.setattr(attention, "PER_SEQUENCE_CALL_COST", cost)
+        monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", cap)
+        assert attention.per_sequence_wins(lengths) == (cap == 0)
+        out = attend(q, k, v, seq, window=window, sinks=sink)
+        inputs = (q, k, v) + ((sink,) if sinks else ())
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), inputs)))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_per_sequence_training_attention_has_no_sync(monkeypatch):
+    monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", 0)
+    q, k, v = _qkv(sum(LENGTHS))
+    with count_syncs() as c:
+        for window in (None, 3):
+            attend(q, k, v, SeqInfo.from_lengths(LENGTHS), window=window).sum().backward()
+    assert c.total == 0, str(c)
 
 
 def test_sink_rescale_identity():

@@ -19,6 +19,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_attention  # noqa: E402
 import bench_dpo  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_loss  # noqa: E402
@@ -46,6 +47,15 @@ def test_metadata_quick(tmp_path, capsys):
         assert r["max abs diff"] < 1e-5
         assert r["ours ms"] > 0 and r["baseline ms"] > 0
     assert json.loads((tmp_path / "m.json").read_text())["rows"][0]["layers"] == 2
+
+
+def test_attention_quick(capsys):
+    rows = bench_attention.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_attention.COLUMNS)
+    assert [(r["T"], r["N"]) for r in rows] == [(64, 8), (256, 2)]
+    assert [r["picked"] for r in rows] == ["dense", "per-seq"]
+    for r in rows:
+        assert r["max diff"] < 1e-5 and r["dense ms"] > 0 and r["per-seq ms"] > 0
 
 
 def test_packing_quick(capsys):

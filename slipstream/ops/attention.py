@@ -5,8 +5,11 @@ One entry point, three back ends chosen by device and installed torch:
   over cu_seqlens) where the installed torch has it with `window_size` (2.11+);
 - CUDA otherwise: FlexAttention with a document-causal `BlockMask` (head dim >= 16; smaller,
   test-sized heads take the SDPA paths below, which run on CUDA too);
-- CPU: SDPA with a block-diagonal causal mask, or per-sequence SDPA calls when the packed
-  batch is long (a (T, T) mask costs T^2 memory; slicing by host lengths costs no sync).
+- CPU: one causal SDPA call per sequence (work and memory linear in each sequence's length
+  squared; splitting by host lengths costs no sync), or, for short batches of many tiny
+  sequences where the per-call cost dominates, one call with a block-diagonal (T, T) mask
+  (`per_sequence_wins` decides from the host lengths). Half precision is computed in float32
+  there unless the CPU has AMX tiles (see CPU_HALF_IN_FLOAT32).
 
 Every derived structure (block mask, dense mask) is built once per `SeqInfo` and cached on
 it, so a 28-layer model builds it once per forward, not 28 times.
@@ -30,8 +33,16 @@ import torch.nn.functional as F
 from slipstream.debug import opaque_to_audit
 from slipstream.ops.packing import SeqInfo
 
-# Above this many packed tokens the CPU path runs one SDPA call per sequence instead of one
-# call with a dense (T, T) mask: at T=4096 the float mask alone is 64 MiB.
+# The dense (T, T) mask computes every cross-sequence score and throws it away; one causal
+# call per sequence computes about sum(n^2) / 2 scores (the flash kernel skips the masked
+# half) but pays a fixed cost per call. Measured on CPU (1 thread, SmolLM2 heads 9/3 x 64,
+# forward + backward, benchmarks/bench_attention.py, docs/benchmarks.md): per-sequence wins
+# from a single sequence (1.6x at T=1024) to 6-13x at T=1024 in 8-128 sequences and 26x at
+# T=4096 in 32; the two break even at T=128 in 16 sequences of 8 (10.4 vs 11.4 ms, float32).
+# A call costs about as much as PER_SEQUENCE_CALL_COST scores: dense when
+# T^2 < sum(n^2) / 2 + that * N.
+PER_SEQUENCE_CALL_COST = 1024
+# Above this many packed tokens never the dense mask: at T=4096 the float mask alone is 64 MiB.
 DENSE_MASK_MAX_TOKENS = 4096
 
 
@@ -65,11 +76,13 @@ def attend_packed(q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, sc
         if q_THD.shape[-1] >= FLEX_MIN_HEAD_DIM:
             return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
         # Tiny test-sized heads: the SDPA/eager paths below run on CUDA too.
+    if per_sequence_wins(seq.lengths):
+        if sinks is not None:
+            return _eager_with_sinks_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+        return _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale)
     if sinks is not None:
-        return _eager_with_sinks(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
-    if seq.total_tokens <= DENSE_MASK_MAX_TOKENS:
-        return sdpa_masked(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
-    return _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale)
+        return _eager_with_sinks(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), sinks, scale)
+    return _in_float32(sdpa_masked)(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
 
 
 # ----------------------------------------------------------------------------- CPU paths
@@ -107,39 +120,88 @@ def sdpa_masked(q_THD, k_TGD, v_TGD, mask_TT: torch.Tensor, scale: float | None 
     return out_1HTD[0].transpose(0, 1)
 
 
+def per_sequence_wins(lengths: Sequence[int]) -> bool:
+    """CPU: one SDPA call per sequence rather than one with a dense (T, T) mask (host ints)."""
+    T = sum(lengths)
+    if T > DENSE_MASK_MAX_TOKENS:
+        return True
+    return sum(n * n for n in lengths) / 2 + PER_SEQUENCE_CALL_COST * len(lengths) < T * T
+
+
+# bf16 SDPA on a CPU without AMX runs 1.5-2.5x slower than float32 (AVX512-BF16 EPYC, 1
+# thread, T=1024 in 8 sequences, forward + backward: 59 vs 40 ms; 64 sequences: 151 vs 59 ms):
+# the kernel's softmax and small GEMMs get nothing from bf16 there. So half-precision inputs
+# are upcast (a T x (H + 2G) x Dh copy) and the output cast back. With AMX the bf16 kernel's
+# GEMMs run on the tiles; unmeasured here, so it keeps its dtype.
+CPU_HALF_IN_FLOAT32 = not (
+    hasattr(torch.cpu, "_is_amx_tile_supported") and torch.cpu._is_amx_tile_supported()
+)
+
+
+def _in_float32(fn):
+    """fn(q, k, v, *rest) computed in float32 for half-precision CPU inputs (see above)."""
+
+    def run(q_THD, k_TGD, v_TGD, *rest):
+        if not (CPU_HALF_IN_FLOAT32 and q_THD.dtype in (torch.bfloat16, torch.float16)):
+            return fn(q_THD, k_TGD, v_TGD, *rest)
+        return fn(q_THD.float(), k_TGD.float(), v_TGD.float(), *rest).to(q_THD.dtype)
+
+    return run
+
+
+def _split_heads_first(x_TGD: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """(T, G, Dh) -> one (1, G, n, Dh) view per sequence. `split`, not slicing: its backward
+    is one concatenation, where each slice's backward writes a zero (T, G, Dh) gradient."""
+    return tuple(x[None] for x in x_TGD.transpose(0, 1).split(list(lengths), dim=1))
+
+
+def _window_mask(n: int, window: int, device) -> torch.Tensor | None:
+    """(n, n) bool causal mask limited to `window` keys; None when the window covers it all."""
+    if n <= window:
+        return None
+    pos = torch.arange(n, device=device)
+    delta = pos[:, None] - pos[None, :]
+    return (delta >= 0) & (delta < window)
+
+
+@_in_float32
 def _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale):
     gqa = k_TGD.shape[1] != q_THD.shape[1]
     outs = []
-    start = 0
-    for n in seq.lengths:  # host ints: slicing needs no sync
-        q = q_THD[start : start + n].transpose(0, 1)[None]
-        k = k_TGD[start : start + n].transpose(0, 1)[None]
-        v = v_TGD[start : start + n].transpose(0, 1)[None]
-        if window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            pos = torch.arange(n, device=q_THD.device)
-            delta = pos[:, None] - pos[None, :]
-            m = (delta >= 0) & (delta < window)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=gqa)
-        outs.append(o[0].transpose(0, 1))
-        start += n
-    return torch.cat(outs, dim=0)
+    parts = (_split_heads_first(x, seq.lengths) for x in (q_THD, k_TGD, v_TGD))
+    for n, q, k, v in zip(seq.lengths, *parts, strict=True):  # host ints: no sync
+        mask = None if window is None else _window_mask(n, window, q_THD.device)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+        outs.append(o[0])
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def _eager_with_sinks(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
-    """Softmax over [scores, sink] written out: the CPU reference for sink attention."""
+def _eager_with_sinks(q_THD, k_TGD, v_TGD, mask_TT, sinks_H, scale):
+    """Softmax over [scores, sink] written out, under a (T, T) bool mask: the CPU path for
+    sink attention (`mask_TT` block-diagonal over a packed batch, or one sequence's own)."""
     T, H, Dh = q_THD.shape
     rep = H // k_TGD.shape[1]
     k_THD = k_TGD.repeat_interleave(rep, dim=1)
     v_THD = v_TGD.repeat_interleave(rep, dim=1)
     scale = Dh**-0.5 if scale is None else scale
     scores_HTT = torch.einsum("thd,shd->hts", q_THD, k_THD) * scale
-    mask_TT = dense_causal_mask(seq, window)
     scores_HTT = scores_HTT.masked_fill(~mask_TT, float("-inf"))
     sink_HT1 = sinks_H.to(scores_HTT.dtype)[:, None, None].expand(H, T, 1)
     probs = torch.softmax(torch.cat([scores_HTT, sink_HT1], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("hts,shd->thd", probs.to(v_THD.dtype), v_THD)
+
+
+def _eager_with_sinks_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
+    outs = []
+    parts = (x.split(list(seq.lengths)) for x in (q_THD, k_TGD, v_TGD))
+    for n, q, k, v in zip(seq.lengths, *parts, strict=True):
+        mask = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).tril()
+        if window is not None:
+            mask = mask.triu(-(window - 1))
+        outs.append(_eager_with_sinks(q, k, v, mask, sinks_H, scale))
+    return torch.cat(outs)
 
 
 # ----------------------------------------------------------------------------- CUDA paths
