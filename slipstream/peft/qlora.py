@@ -10,9 +10,10 @@ packed `*.weight` and its `absmax`/`quant_map`/`nested_*`/`quant_state.bitsandby
 companions become a `Params4bit` directly, without a round trip through full precision.
 
 Conventions: blocksize 64, double quantisation (the absmax are themselves 8-bit quantised),
-compute dtype = the model dtype (float32 on CPU, bf16 on GPU). Embeddings, norms, lm_head,
-biases and MoE experts stay in full precision. `dequantize_model` turns the NF4 layers back
-into `nn.Linear` (for merged export: dequantise, then merge LoRA; never re-quantise).
+compute dtype = the model dtype (`model.dtype: auto`: bf16 on GPU and on bf16-capable
+CPUs). Embeddings, norms, lm_head, biases and MoE experts stay in full precision.
+`dequantize_model` turns the NF4 layers back into `nn.Linear` (for merged export: dequantise,
+then merge LoRA; never re-quantise).
 bitsandbytes is imported only when quantisation is used (`pip install 'slipstream[qlora]'`).
 """
 

@@ -103,6 +103,10 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
     data = build_data(cfg, tokenizer, objective)
+    if device.type == "cpu":  # hyperthread siblings share a core's matrix unit
+        from slipstream.cpu import set_threads
+
+        dist.print_main(f"slipstream: {set_threads(t.threads)} on the CPU")
     model = model if model is not None else build_model(cfg, device)
     if hasattr(objective, "attach"):  # e.g. DPO's reference policy, before any sharding
         objective.attach(model, cfg, data, device)

@@ -17,7 +17,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import atomic_write_files
-from slipstream.checkpoint.hf import resolve_dtype
+from slipstream.checkpoint.hf import choose_dtype
 from slipstream.config import RunConfig
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 
@@ -115,8 +115,9 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
     if quantize and cfg.lora.method == "full":
         raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    dtype, why = choose_dtype(cfg.model.dtype, device)
     what = f"{str(dtype).removeprefix('torch.')}{', NF4' if quantize else ''}"
+    dist.print_main(f"slipstream: dtype {what} ({why})")
     dist.print_main(f"slipstream: loading the model weights from {cfg.model.path} ({what})...")
     start = time.perf_counter()
     model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
