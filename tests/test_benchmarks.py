@@ -26,6 +26,7 @@ import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_packing  # noqa: E402
+import bench_peers  # noqa: E402
 import bench_syncs  # noqa: E402
 import common  # noqa: E402
 import gpu_suite  # noqa: E402
@@ -204,3 +205,20 @@ def test_dpo_quick(capsys):
     assert row["same loss (step 1)"] is True  # log 2 on both: fresh adapters, policy = ref
     assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
     assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
+
+
+def test_peers_quick(tmp_path, capsys):
+    """bench_peers end to end for slipstream alone (the peers need their own venvs) in bf16
+    (one worker process: ~13 s of CPU; float32 is the same code with the other dtype): the
+    data check against apply_chat_template, the worker, the table's row."""
+    out = tmp_path / "p.json"
+    argv = ["--quick", "--tools", "slipstream", "--dtypes", "bfloat16", "--work", str(tmp_path)]
+    rows = bench_peers.main([*argv, "--json", str(out)])
+    table_header(capsys.readouterr().out, bench_peers.COLUMNS)
+    [row] = rows
+    assert (row["dtype"], row["rounds"], row["vs slipstream"]) == ("bfloat16", 1, "1.00x")
+    assert row["tokens/s"] > 0 and row["peak RSS GB"] > 0.1 and row["MFU"].endswith("%")
+    assert 0.5 * bench_peers.TOKENS_PER_BATCH < row["tokens/step"] <= bench_peers.TOKENS_PER_BATCH
+    info = json.loads(out.read_text())["info"]
+    assert info["rows"] == 24 and 0 < info["labelled"] < info["tokens"]
+    assert info["peaks_gflops"]["bfloat16"] > 0
