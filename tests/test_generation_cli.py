@@ -157,6 +157,7 @@ def test_batch_failure_keeps_the_finished_prompts(tiny_run, tmp_path, monkeypatc
         ([""], "the prompt is empty"),
         (["  \n"], "the prompt is empty"),
         (["--input", "IN", "--output", "OUT", "--batch-size", "0"], "--batch-size is 0"),
+        (["Hi", "--output", "OUT"], "--output is for a file of prompts"),
         (["--input", "EMPTY_PROMPT", "--output", "OUT"], "e.jsonl:2: 'prompt' must be a non-empty"),
         (["--input", "CLASH", "--output", "OUT"], "c.jsonl:1: field 'text' is also an output"),
         (["--input", "IN", "--output", "DIR"], "is a folder; give a file such as"),

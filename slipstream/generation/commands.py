@@ -97,6 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError('the prompt is empty; give the text to complete: generate MODEL "text"')
     if args.input is not None and args.output is None:
         raise ValueError("--input needs --output FILE.jsonl for the completions")
+    if args.input is None and args.output is not None:
+        raise ValueError("--output is for a file of prompts: give --input FILE.jsonl too")
     if args.input is None:
         model, tokenizer = load(args)
         from slipstream.generation.api import generate_rows
