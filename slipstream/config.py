@@ -147,6 +147,9 @@ class TrainSection(_Section):
         "auto", "auto: offload on GPU, recompute on CPU"
     )
     compile: bool = _opt(False, "regional torch.compile of attention and MLP blocks")
+    prepack: bool = _opt(
+        True, "CPU, float32: frozen linear weights (LoRA/QLoRA bases) packed once for oneDNN"
+    )
     device: str = _opt("auto", "auto | cpu | cuda | cuda:N")
     threads: int | None = _opt(
         None, "CPU threads; default: OMP_NUM_THREADS if set, else the physical cores", gt=0

@@ -20,6 +20,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bench_attention  # noqa: E402
+import bench_cpu_step  # noqa: E402
 import bench_dpo  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_loss  # noqa: E402
@@ -57,6 +58,17 @@ def test_attention_quick(capsys):
     assert [r["picked"] for r in rows] == ["dense", "per-seq"]
     for r in rows:
         assert r["max diff"] < 1e-5 and r["dense ms"] > 0 and r["per-seq ms"] > 0
+
+
+def test_cpu_step_quick(capsys):
+    rows = bench_cpu_step.main(["--quick", "--profile"])
+    out = capsys.readouterr().out
+    table_header(out, bench_cpu_step.COLUMNS)
+    table_header(out, bench_cpu_step.GROUP_COLUMNS)
+    assert [r["variant"] for r in rows] == ["before", "no prepack", "ours"]
+    # The same model, data and seed: every variant computes the same loss.
+    assert max(r["loss"] for r in rows) - min(r["loss"] for r in rows) < 1e-4
+    assert all(r["ms/step"] > 0 for r in rows)
 
 
 def test_packing_quick(capsys):

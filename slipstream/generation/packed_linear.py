@@ -19,26 +19,14 @@ a second copy of those weights fits in half the free memory; otherwise nothing c
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# One row against a weight smaller than this: F.linear (a matrix-vector product).
-SMALL_WEIGHT = 1 << 21
-
-
-def available() -> bool:
-    mkldnn = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
-    )
-
-
-def pack(W_OI: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(W_OI, rows)
+from slipstream.ops.onednn import SMALL_WEIGHT, available, pack
+from slipstream.ops.onednn import free_bytes as _free_bytes
 
 
 def linear(x: torch.Tensor, W_OI: torch.Tensor, packed: torch.Tensor | None, bias=None):
@@ -46,13 +34,6 @@ def linear(x: torch.Tensor, W_OI: torch.Tensor, packed: torch.Tensor | None, bia
     if packed is None or (x.shape[0] == 1 and W_OI.numel() < SMALL_WEIGHT):
         return F.linear(x, W_OI, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _free_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _eligible(W: torch.Tensor, rows: int) -> bool:

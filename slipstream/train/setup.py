@@ -109,7 +109,8 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """Load weights (NF4 for QLoRA), then LoRA or full training, then checkpointing."""
+    """Load weights (NF4 for QLoRA), then LoRA or full training, then (CPU) frozen weights
+    prepacked, then checkpointing and compile."""
     from slipstream.checkpoint.hf import load_model
 
     quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
@@ -146,6 +147,17 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         )  # fmt: skip
     elif cfg.lora.method == "full":
         model.requires_grad_(True)
+    # Not under compile (dynamo cannot trace oneDNN's packed weights) nor FSDP2 (shards).
+    prepack = not cfg.train.compile and cfg.train.parallel != "fsdp"
+    if cfg.train.prepack and prepack and device.type == "cpu":
+        from slipstream.ops.frozen_linear import apply_prepacked_linears
+
+        packed, held = apply_prepacked_linears(model)
+        if packed:
+            dist.print_main(
+                f"slipstream: {packed} frozen linear weights packed once for oneDNN "
+                f"({held / 2**20:.0f} MiB more memory; train.prepack=false to skip)"
+            )
     mode = cfg.train.activation_checkpointing
     if mode == "auto":  # offload pays on a GPU; on CPU there is no device memory to save
         mode = "offload" if device.type == "cuda" else "recompute"
