@@ -1,8 +1,11 @@
-"""No import cycle between slipstream's parts (its subpackages and top-level modules).
+"""No import cycle between slipstream's parts (its subpackages and top-level modules), nor
+between the modules inside a part.
 
 Every `import slipstream.X...` / `from slipstream.X... import` counts, also those inside
 functions: a lazy import hides a cycle from Python, not from a reader. `slipstream/__init__.py`
-(the public API, which imports every part) is left out.
+(the public API, which imports every part) is left out. Between modules, `from P import n`
+depends on P's `__init__.py` (it reads P's namespace) and on `P.n` when that is a module;
+`import P.n` and `from P.n import x` depend on `P.n` alone.
 """
 
 import ast
@@ -46,6 +49,43 @@ def import_graph() -> dict[str, dict[str, str]]:
     return graph
 
 
+def module_name(rel: Path) -> str:
+    """slipstream/peft/lora.py -> slipstream.peft.lora; a package's __init__.py -> the package."""
+    parts = ("slipstream", *rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(source: str, name: str, is_package: bool = False) -> set[str]:
+    """Every module `source` (module `name`) names in an import, lazy ones too; relative
+    imports resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def module_graph() -> dict[str, dict[str, str]]:
+    """module -> {slipstream module it imports: the importing file}."""
+    files = {module_name(p.relative_to(ROOT)): p for p in sorted(ROOT.rglob("*.py"))}
+    graph: dict[str, dict[str, str]] = {}
+    for name, path in files.items():
+        if name == "slipstream":
+            continue
+        rel = str(path.relative_to(ROOT))
+        for module in module_imports(path.read_text(), name, path.name == "__init__.py"):
+            if module in files and module not in ("slipstream", name):
+                graph.setdefault(name, {})[module] = rel
+    return graph
+
+
 def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
     done: set[str] = set()
 
@@ -73,6 +113,32 @@ def test_no_import_cycle_between_parts():
     cycle = find_cycle(graph)
     where = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])] if cycle else []
     assert cycle is None, "import cycle: " + "; ".join(where)
+
+
+def test_no_import_cycle_between_modules():
+    graph = module_graph()
+    cycle = find_cycle(graph)
+    where = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])] if cycle else []
+    assert cycle is None, "import cycle: " + "; ".join(where)
+
+
+def test_module_imports_sees_lazy_package_and_relative_imports():
+    source = (
+        "import slipstream.train.sharded as sharded\n"
+        "from slipstream.train import state\n"
+        "def f():\n"
+        "    from slipstream.peft.dora import DoRALinear\n"
+        "    from .names import PEFT_PREFIX\n"
+    )
+    found = module_imports(source, "slipstream.peft.lora")
+    assert {"slipstream.train.sharded", "slipstream.peft.dora", "slipstream.peft.names"} <= found
+    assert {"slipstream.train", "slipstream.train.state"} <= found  # the package's __init__ too
+    assert module_imports("from . import lora", "slipstream.peft", is_package=True) >= {
+        "slipstream.peft.lora"
+    }
+    graph = module_graph()
+    assert "slipstream.peft.lora_linear" in graph["slipstream.peft.dora"]
+    assert "slipstream.checkpoint.gguf_llama3" in graph["slipstream.checkpoint.gguf_config"]
 
 
 def test_checkpoint_uses_peft_and_models_not_the_reverse():

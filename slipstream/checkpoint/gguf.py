@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipstream.checkpoint.gguf_config import CONFIG_TENSORS, field, hf_config_from_gguf
+from slipstream.checkpoint.gguf_config import CONFIG_TENSORS, hf_config_from_gguf
+from slipstream.checkpoint.gguf_fields import field
 from slipstream.sources import (  # noqa: F401 (re-exported: the demo file lives here too)
     SMOLLM2_FILE,
     SMOLLM2_INSTALL,

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.checkpoint.gguf_fields import decimal, field
+
 # llama.cpp architecture -> our model_type.
 MODEL_TYPES = {
     "llama": "llama",
@@ -30,17 +32,6 @@ MODEL_TYPES = {
 }
 # Tensors that are configuration, not weights (read here, skipped by the tensor reader).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def decimal(value: Any) -> float:
-    """A float32 from the file as the shortest decimal that rounds to it (1e-05, not
-    9.99999974e-06): the number config.json had, so configs compare equal after a round trip."""
-    return float(str(np.float32(value)))
 
 
 def hf_config_from_gguf(reader: Any, path: Any = "GGUF file") -> dict:

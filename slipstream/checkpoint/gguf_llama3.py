@@ -27,6 +27,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from slipstream.checkpoint.gguf_fields import decimal
 from slipstream.models.rope import RopeConfig, rope_inv_freq
 
 EPS32 = float(np.finfo(np.float32).eps)  # 1.19e-7
@@ -150,8 +151,6 @@ def _cleaned(target: torch.Tensor, head_dim: int, rope: RopeConfig) -> dict | No
 
 def _decimals(value: float) -> list[float]:
     """`value` with 1, 2, ... 8 significant digits, then the float32 shortest decimal."""
-    from slipstream.checkpoint.gguf_config import decimal
-
     return [float(f"{value:.{d}g}") for d in range(1, 9)] + [decimal(value)]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from slipstream.generation import engine
+import slipstream.generation.engine as engine
 from slipstream.generation.options import check_options
 from slipstream.generation.sampling import Sampling
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.peft.lora import LoRALinear
+from slipstream.peft.lora_linear import LoRALinear
 
 
 def dense_weight(base_layer: nn.Module) -> torch.Tensor:

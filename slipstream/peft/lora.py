@@ -5,8 +5,8 @@
 checkpoint/adapter.py). A is (rank, in_features), B is (out_features, rank); y = base(x) +
 scale * B @ A @ dropout(x), scale = alpha / rank (alpha / sqrt(rank) for rsLoRA). The base can
 be any module with `in_features`, `out_features` and a `weight` (a bitsandbytes `Linear4bit`
-for QLoRA); it is never modified until `merge_lora`. DoRA: peft/dora.py; LoRA on MoE experts:
-peft/lora_experts.py.
+for QLoRA); it is never modified until `merge_lora`. The module: peft/lora_linear.py; DoRA:
+peft/dora.py; LoRA on MoE experts: peft/lora_experts.py.
 
 Factor dtype: float32 master weights whenever the base is fp16/bf16 (or quantized), as PEFT
 does (`autocast_adapter_dtype=True`), so AdamW's states are float32 too. In bf16 an update
@@ -19,80 +19,20 @@ factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slipstream.models.moe_block import moe_blocks
+from slipstream.peft.dora import DoRALinear
+from slipstream.peft.lora_experts import merge_expert_lora, wrap_experts
+from slipstream.peft.lora_linear import LoRALinear, lora_modules
 from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, peft_path
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_DEFAULT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's names
-
-
-def lora_factor_dtype(base_weight: torch.Tensor) -> torch.dtype:
-    """float32 for a fp16/bf16 or quantized (packed integer) base; float64 stays float64."""
-    if base_weight.is_floating_point() and base_weight.element_size() >= 4:
-        return base_weight.dtype
-    return torch.float32
-
-
-class LoRALinear(nn.Module):
-    """A frozen base linear layer plus a trainable low-rank update; factors in `dtype`
-    (default `lora_factor_dtype(base weight)`: float32 for a half-precision base)."""
-
-    def __init__(
-        self,
-        base_layer: nn.Module,
-        rank: int,
-        alpha: float,
-        dropout: float = 0.0,
-        use_rslora: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        self.rank, self.alpha = rank, alpha
-        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        weight = base_layer.weight
-        if dtype is None:
-            dtype = lora_factor_dtype(weight)
-        kw = {"device": weight.device, "dtype": dtype}
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
-        self.reset_lora_parameters()
-
-    def reset_lora_parameters(self) -> None:
-        # As PEFT: A like nn.Linear's default init, B zero so the start equals the base.
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The base weight, for code that reads `proj.weight` (dtype, device, shape)."""
-        return self.base_layer.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
-        # The factors come down to x's dtype, not x up to theirs: bf16 matmuls, fp32 masters.
-        A, B = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
-        delta = F.linear(F.linear(self.lora_dropout(x), A), B) * self.scaling
-        return out + delta.to(out.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """base weight + scale * B @ A, computed in float32, in the base weight's dtype."""
-        w = self.base_layer.weight
-        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        return (w.float() + self.scaling * delta).to(w.dtype)
-
-    def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
 def check_hyperparameters(
@@ -126,11 +66,6 @@ def linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
 
     visit("", model)
     return found
-
-
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Module path -> LoRALinear, in model order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def apply_lora(
@@ -210,9 +145,7 @@ def wrap_lora(
             f"DoRA on MoE experts {experts} is not supported (PEFT has none on parameters); "
             "name linear layers as lora targets (e.g. q_proj, v_proj, o_proj) or drop use_dora"
         )
-    wrapper = LoRALinear
-    if use_dora:
-        from slipstream.peft.dora import DoRALinear as wrapper
+    wrapper = DoRALinear if use_dora else LoRALinear
     linears = linear_children(model)
     if linear == "all-linear":
         linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
@@ -243,8 +176,6 @@ def wrap_lora(
         "use_dora": use_dora,
     }
     if experts:
-        from slipstream.peft.lora_experts import wrap_experts
-
         model.lora_config["target_parameters"] = wrap_experts(
             model, experts, rank, alpha, use_rslora
         )
@@ -255,8 +186,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold scale * B @ A into each base weight (expert LoRA too) and put the plain base
     modules back."""
     if (getattr(model, "lora_config", None) or {}).get("target_parameters"):
-        from slipstream.peft.lora_experts import merge_expert_lora
-
         merge_expert_lora(model)
     for name, module in list(lora_modules(model).items()):
         base = module.base_layer

@@ -35,7 +35,7 @@ from torch import nn
 
 from slipstream.models.moe_block import MoEBlock, moe_blocks
 from slipstream.ops.moe import RoutingPlan, grouped_mm
-from slipstream.peft import lora
+from slipstream.peft.lora_linear import lora_factor_dtype, lora_modules
 from slipstream.peft.names import EXPERT_TARGETS, expert_keys, target_parameters
 
 
@@ -59,7 +59,7 @@ class LoRAExperts(nn.Module):
         for name in self.targets:
             w = getattr(base_layer, name)
             E, (in_f, out_f) = w.shape[0], self.in_out(name)
-            kw = {"device": w.device, "dtype": lora.lora_factor_dtype(w)}
+            kw = {"device": w.device, "dtype": lora_factor_dtype(w)}
             self.lora_A[name] = nn.Parameter(torch.empty(E, rank, in_f, **kw))
             self.lora_B[name] = nn.Parameter(torch.zeros(E, out_f, rank, **kw))
             # As PEFT (nn.Linear's default init per expert): uniform(+-1/sqrt(in)); B zero.
@@ -173,6 +173,6 @@ def merge_expert_lora(model: nn.Module) -> nn.Module:
         setattr(model.get_submodule(parent), attr, base)
     if getattr(model, "lora_config", None) is not None:
         model.lora_config.pop("target_parameters", None)
-        if not lora.lora_modules(model):
+        if not lora_modules(model):
             model.lora_config = None
     return model

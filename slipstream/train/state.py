@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+import slipstream.train.sharded as sharded
 from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import (
     atomic_write_text,
@@ -35,7 +36,6 @@ from slipstream.checkpoint.atomic import (
     fsync_path,
     is_disk_full,
 )
-from slipstream.train import sharded
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
