@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     from slipstream.checkpoint.adapter import load_adapter
     from slipstream.checkpoint.gguf_export import export_run_gguf
-    from slipstream.checkpoint.hf import load_model, load_tokenizer
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.peft.lora import merge_lora
     from slipstream.sources import adapter_base
 

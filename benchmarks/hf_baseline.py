@@ -1,5 +1,6 @@
 """The transformers + PEFT side of the GPU suite: the model with the best attention this image
-has, whether packing through position_ids gives per-sequence results, and its inputs."""
+has, whether packing through position_ids gives per-sequence results, its inputs, and the
+row itself (`hf_row`: gradient checkpointing, peft LoRA on the same targets as ours)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import common
 import torch
+from gpu_rows import LORA, OursCache, Setup, Variant, lora_targets, measure_steps
 
 
 def hf_attentions(device: torch.device) -> list[str]:
@@ -87,3 +89,42 @@ def hf_inputs(setup: Any, vocab: int, packed: bool) -> tuple[dict, int]:
             inputs["labels"][i, : len(s)] = s
         computed = len(seqs) * longest
     return {k: t.to(setup.device) for k, t in inputs.items()}, computed
+
+
+def hf_row(v: Variant, setup: Setup) -> dict:
+    import peft
+
+    OursCache.clear()  # weights of ours must not count in this row's peak memory
+    hf = setup.shapes[v.model]
+    model, attn = build_hf(hf, setup)
+    packed = hf_packing_ok(model, setup)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                             target_modules=lora_targets(model), task_type="CAUSAL_LM")  # fmt: skip
+    # peft's default: float32 adapters on the bf16 base, as ours (its adapter matmuls run in
+    # float32, ours cast the factors to bf16).
+    model = peft.get_peft_model(model, config).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
+    inputs, computed = hf_inputs(setup, hf["vocab_size"], packed)
+
+    def step():
+        model(**inputs).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # count_syncs' modes cannot wrap transformers' compiled flex call (dynamo refuses to run
+    # compiled code under them); that row is audited by CUDA's sync-debug warnings alone.
+    row = measure_steps(step, setup, audit=True, count=attn != "flex_attention")
+    row.update(
+        attention=attn,
+        packing="packed (position_ids)" if packed else f"padded ({computed} tokens computed)",
+        notes="gradient checkpointing, peft LoRA",
+    )
+    return row  # the model goes with this frame; run_row then frees the memory

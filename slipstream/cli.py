@@ -217,7 +217,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = check_out_dir(args.out, args.force, reads=(adapter, Path(base)))  # before loading
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
-    from slipstream.checkpoint.hf import load_model, load_tokenizer
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source(adapter, base))
     model = load_model(base)
@@ -292,7 +293,8 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
             return cmd_export_gguf(argparse.Namespace(**{**vars(args), "adapter_dir": tmp}),
                                    default=default)  # fmt: skip
         if (Path(tmp) / "config.json").is_file():  # full fine-tuning: the model itself
-            from slipstream.checkpoint.hf import load_model, load_tokenizer
+            from slipstream.checkpoint.hf import load_model
+            from slipstream.checkpoint.tokenizer import load_tokenizer
 
             return _export_merged(load_model(tmp), Path(args.out), load_tokenizer(tmp), args.force)
         return cmd_export(argparse.Namespace(**{**vars(args), "adapter_dir": tmp}))

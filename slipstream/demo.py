@@ -70,8 +70,8 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     import torch
 
     from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
-    from slipstream.checkpoint.hf import resolve_device
     from slipstream.config import config_from_dict
+    from slipstream.device import resolve_device
     from slipstream.generation import chat_reply
     from slipstream.train.loop import train
     from slipstream.train.setup import build_model, seed_everything

@@ -5,7 +5,7 @@ a no-op or the identity, so the single-process trainer runs exactly as before.
 Modes (`train.parallel`, see `resolve_mode`) and why the step's gradient equals one
 process's with the same global batch: docs/distributed.md. Collectives per optimizer step:
 one (the step's weight) plus the gradient reduction; a logged step adds one. Elsewhere:
-tokenizing in shards (data/sharded.py); checkpoint shards under FSDP2 (train/sharded.py).
+tokenizing in shards (data/row_shards.py); checkpoint shards under FSDP2 (train/fsdp_shards.py).
 """
 
 from __future__ import annotations

@@ -90,3 +90,16 @@ def no_network_error(message: str) -> bool:
     """Is an error from transformers/huggingface_hub a failure to connect (not a bad id)?"""
     text = message.lower()
     return "couldn't connect" in text or "offline mode" in text or "connection" in text
+
+
+def hub_error(what: str, source: str, kind: str, e: Exception) -> ValueError:
+    """One line for a hub id that did not load: no network (said so), or the hub's answer."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if no_network_error(str(e)):
+        return ValueError(
+            f"{what}: '{source}' is a hub id, but the hub cannot be reached (no network: "
+            f"{first}); {OFFLINE_CHOICE}"
+        )
+    return ValueError(
+        f"{what}: '{source}' is no local path, and the hub gave no {kind} by that id ({first})"
+    )

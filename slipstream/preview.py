@@ -16,7 +16,7 @@ GREEN, RESET = "\033[32m", "\033[0m"
 
 def preview(cfg: Any, *, color: bool = False) -> str:
     """The preview text for run config `cfg` (RunConfig)."""
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.train.setup import build_data, set_chat_template
 
     tokenizer = load_tokenizer(cfg.model.path)

@@ -11,7 +11,7 @@ import pytest
 from helpers.runs import run_config
 from helpers.tokenizers import CHATML_TEMPLATE
 
-from slipstream.checkpoint.hf import load_tokenizer
+from slipstream.checkpoint.tokenizer import load_tokenizer
 from slipstream.config import config_from_dict
 from slipstream.train import train
 from slipstream.train.setup import build_data, set_chat_template

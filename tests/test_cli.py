@@ -236,6 +236,7 @@ def test_unsupported_model_type_exits_2_before_tokenizing(tiny_run, tmp_path, mo
     the supported types, said from config.json before a tokenizer (or the data) loads; the
     Python API's build_data says it before tokenizing too."""
     import slipstream.checkpoint.hf as hf
+    import slipstream.checkpoint.tokenizer as tokenizer_module
     from slipstream.config import load_config
     from slipstream.models import FAMILIES
     from slipstream.train.setup import build_data
@@ -243,7 +244,7 @@ def test_unsupported_model_type_exits_2_before_tokenizing(tiny_run, tmp_path, mo
     def no_load(*a, **k):
         raise AssertionError("a tokenizer or model loaded before the model type was checked")
 
-    monkeypatch.setattr(hf, "load_tokenizer", no_load)
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", no_load)
     monkeypatch.setattr(hf, "load_model", no_load)
     model = tmp_path / "gpt2"
     model.mkdir()

@@ -17,8 +17,9 @@ from helpers.models import make_hf_model
 from helpers.runs import run_config
 
 from slipstream import cpu
-from slipstream.checkpoint.hf import choose_dtype, load_model
+from slipstream.checkpoint.hf import load_model
 from slipstream.config import config_from_dict
+from slipstream.device import choose_dtype
 from slipstream.ops.packing import SeqInfo
 from slipstream.peft.lora import apply_lora
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from helpers.runs import chat_rows, run_config
 
-from slipstream.checkpoint.hf import load_tokenizer
+from slipstream.checkpoint.tokenizer import load_tokenizer
 from slipstream.config import config_from_dict, load_config
 from slipstream.train.setup import build_data
 

@@ -99,7 +99,7 @@ def test_missing_path_is_not_called_a_bad_repo_id(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="does not exist") as e:
             resolve_model(text)
         assert "Repo id" not in str(e.value)
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
 
     for call in (load_tokenizer, slipstream.load_model):
         with pytest.raises(ValueError, match="'/no/such/model' does not exist"):
@@ -273,7 +273,7 @@ def test_row_problems_reported_before_the_empty_split(tiny_run, tmp_path, capsys
 
 
 def test_budget_under_every_example_names_the_setting(tiny_run, tmp_path, capsys):
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.data import tokenize_rows
 
     config = write_yaml(tmp_path / "r.yaml", run_config(tiny_run, tmp_path / "out"))
@@ -313,7 +313,7 @@ def test_preview_shows_format_marked_example_and_plan(tiny_run, tmp_path, capsys
 
 @pytest.mark.parametrize("color", [False, True])
 def test_marked_text_marks_exactly_the_trained_tokens(tiny_run, color):
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.data import tokenize_rows
     from slipstream.preview import GREEN, RESET, marked_text
 
@@ -359,7 +359,7 @@ def test_slipstream_train_is_callable_whatever_was_imported_first():
 def test_train_says_the_format_and_that_the_model_is_loading(tiny_run, tmp_path, capsys):
     import torch
 
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.train.setup import build_data, build_model
 
     cfg = load_config(write_yaml(tmp_path / "r.yaml", run_config(tiny_run, tmp_path / "out")))

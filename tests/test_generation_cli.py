@@ -168,12 +168,13 @@ def test_bad_flags_and_rows_exit_2_before_any_model_load(
     tiny_run, tmp_path, monkeypatch, capsys, args, said
 ):
     import slipstream.checkpoint.hf as hf
+    import slipstream.checkpoint.tokenizer as tokenizer_module
 
     def no_load(*a, **k):
         raise AssertionError("a model or tokenizer loaded before the arguments were checked")
 
     monkeypatch.setattr(hf, "load_model", no_load)
-    monkeypatch.setattr(hf, "load_tokenizer", no_load)
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", no_load)
     (tmp_path / "a_file").write_text("")
     files = {
         "IN": _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}]),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from slipstream.checkpoint.gguf_export import GGUF_TYPES, export_gguf
-from slipstream.checkpoint.hf import load_model, load_tokenizer
+from slipstream.checkpoint.hf import load_model
+from slipstream.checkpoint.tokenizer import load_tokenizer
 from slipstream.ops.packing import SeqInfo
 from tests.helpers import gguf_tokenizer
 from tests.helpers.gguf_tokenizer import VOCAB

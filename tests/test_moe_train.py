@@ -132,7 +132,7 @@ def test_aux_loss_in_the_objective_matches_transformers(family, tmp_path):
 
 def test_aux_loss_micro_batch_has_no_host_sync(moe_run, tmp_path):
     """LoRA all-linear (experts too) + aux loss: forward and backward of a window, no sync."""
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.data import collate
     from slipstream.train.setup import build_data
 

@@ -1,7 +1,7 @@
 """FSDP2 checkpoints are read without running a pickle planted in them.
 
 torch.distributed.checkpoint unpickles `.metadata` and the non-tensor entries of the
-`.distcp` files; train/sharded.py reads the first through an allowlist unpickler and the
+`.distcp` files; train/fsdp_shards.py reads the first through an allowlist unpickler and the
 second with weights_only=True. Checked on one-process checkpoints (dcp.save needs no process
 group): a genuine one round-trips, a payload in either place is refused naming the file and
 never runs, and the allowlist refuses what calls, imports or opens.
@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers.planted import Planted
 
-from slipstream.train import sharded
-from slipstream.train.sharded import MetadataUnpickler, UnsafePickle, read_shards
+from slipstream.train import fsdp_shards
+from slipstream.train.fsdp_shards import MetadataUnpickler, UnsafePickle, read_shards
 
 # dcp.save/load without a process group say so once per call; one process is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -97,7 +97,7 @@ def test_the_refusal_is_one_line_naming_the_file(saved, tmp_path, monkeypatch):
     file.write_bytes(pickle.dumps(metadata))
     monkeypatch.setattr(train_state, "read_state", lambda path: {"world_size": 1})
     monkeypatch.setattr(train_state.dist, "is_sharded", lambda model: True)
-    monkeypatch.setattr(sharded, "_sharded_state", lambda model, optimizer: state())
+    monkeypatch.setattr(fsdp_shards, "_sharded_state", lambda model, optimizer: state())
     with pytest.raises(train_state.CheckpointError) as e:
         train_state.load_checkpoint(saved, model=None, optimizer=None, scheduler=None)
     line = str(e.value)

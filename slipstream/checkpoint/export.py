@@ -36,7 +36,7 @@ def export_merged(
     `directory` must be new or empty; with `force` a non-empty one is replaced whole."""
     out = check_out_dir(directory, force)
     if tokenizer is None and getattr(model, "source", None):
-        from slipstream.checkpoint.hf import load_tokenizer
+        from slipstream.checkpoint.tokenizer import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(model.source)

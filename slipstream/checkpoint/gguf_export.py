@@ -387,7 +387,8 @@ def export_run_gguf(
     a full-model folder, as one GGUF plus its Ollama Modelfile; by default in `SRC/gguf/`
     (`default`: another default path, e.g. for a checkpoint's temporary folder)."""
     from slipstream.checkpoint.adapter import load_adapter
-    from slipstream.checkpoint.hf import load_model, load_tokenizer
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
     from slipstream.sources import unfinished_run
 
     t = check_type(type)

@@ -27,87 +27,17 @@ from safetensors.torch import save_file
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
 from slipstream.checkpoint.hf_config import current_config, generation_config
-from slipstream.hub import OFFLINE_CHOICE, hub_files_only, no_network_error
+from slipstream.hub import hub_error, hub_files_only
 from slipstream.models import family_for, weight_map
 from slipstream.models.common import CausalLM
 from slipstream.models.weights import WeightMap, check_shape, from_hf_name, to_hf_name
-from slipstream.sources import gguf_type, lora_gguf_error, resolve_model
+from slipstream.sources import resolve_model
 
 SHARD_BYTES = 5 * 1024**3
 # A multimodal checkpoint's image processor files, copied beside the tensors save passes through.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"train.device: unknown device '{name}' (auto, cpu, cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name} but no CUDA device is available; use auto or cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    return choose_dtype(name, device)[0]
-
-
-def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(dtype, why) for model.dtype `name`. auto: bf16 on accelerators, and on CPUs with a
-    native bf16 matrix unit (slipstream/cpu.py); float32 on other CPUs, where bf16 is emulated
-    and slower. The precision rules are the same in both: float32 LoRA factors and optimizer
-    states, float32 norms and cross-entropy (peft/lora.py, models/common.py, ops/loss.py)."""
-    if name != "auto":
-        return getattr(torch, name), "model.dtype"
-    if device.type != "cpu":
-        return torch.bfloat16, f"auto on {device.type}"
-    from slipstream.cpu import bf16_unit
-
-    unit = bf16_unit()
-    if unit is None:
-        return torch.float32, "auto: this CPU has no native bf16 unit (AMX or AVX512-BF16)"
-    return torch.bfloat16, f"auto: this CPU has {unit}"
-
-
-def load_tokenizer(path: str, what: str = "model.path") -> Any:
-    """The checkpoint's tokenizer (from its folder, the one stored in a GGUF file, a built-in
-    model's, or the hub's for a hub id)."""
-    from transformers import AutoTokenizer
-
-    local = resolve_model(path, what)  # a missing path is said to be one, not a bad hub id
-    p = Path(local)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"{what}: GGUF file not found: {p}")
-        if gguf_type(p) == "adapter":
-            raise ValueError(lora_gguf_error(p, what))
-        from slipstream.checkpoint.gguf import gguf_tokenizer
-
-        return gguf_tokenizer(p)
-    if p.exists() and not (p.is_dir() and any(p.glob("tokenizer*"))):
-        raise ValueError(f"{what}: no tokenizer files (tokenizer.json ...) in '{p}'")
-    files_only = not p.exists() and hub_files_only(local, what)  # offline: cache, or say so
-    try:
-        return AutoTokenizer.from_pretrained(local, local_files_only=files_only)
-    except OSError as e:
-        raise _hub_error(what, path, "tokenizer", e) from None
-
-
-def _hub_error(what: str, source: str, kind: str, e: Exception) -> ValueError:
-    """One line for a hub id that did not load: no network (said so), or the hub's answer."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if no_network_error(str(e)):
-        return ValueError(
-            f"{what}: '{source}' is a hub id, but the hub cannot be reached (no network: "
-            f"{first}); {OFFLINE_CHOICE}"
-        )
-    return ValueError(
-        f"{what}: '{source}' is no local path, and the hub gave no {kind} by that id ({first})"
-    )
 
 
 def load_model(
@@ -170,7 +100,7 @@ def _resolve_folder(path_or_repo_id: str | os.PathLike) -> Path:
             snapshot_download(str(path), allow_patterns=patterns, local_files_only=files_only)
         )
     except Exception as e:  # offline, unknown repo, gated: huggingface_hub's own words
-        raise _hub_error("load_model", str(path), "model", e) from None
+        raise hub_error("load_model", str(path), "model", e) from None
 
 
 def _safetensors_files(folder: Path) -> list[str]:

@@ -113,6 +113,13 @@ def _check_prompts(prompts) -> list[Any]:
     return list(prompts)
 
 
+def as_prompt(text: str, tokenizer: Any, raw: bool) -> Any:
+    """A user message through the chat template when the tokenizer has one, else the text."""
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return text
+    return [{"role": "user", "content": text}]
+
+
 def prompt_ids(prompt: Any, tokenizer: Any, index: int = 0) -> list[int]:
     """Token ids of one prompt: text (tokenized), chat messages (template with the
     generation prompt) or token ids (as they are)."""

@@ -58,7 +58,9 @@ def load(args: argparse.Namespace, chat: bool = False):
     check_model_path(base, what)  # before torch: a missing path is said to be one at once
     check_model_source(base, what)  # and a model type we cannot build
     from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
-    from slipstream.checkpoint.hf import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
+    from slipstream.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base, what)
@@ -68,13 +70,6 @@ def load(args: argparse.Namespace, chat: bool = False):
     if adapter:
         load_adapter(model, adapter)
     return model.eval(), tokenizer
-
-
-def as_prompt(text: str, tokenizer: Any, raw: bool) -> Any:
-    """A user message through the chat template when the tokenizer has one, else the text."""
-    if raw or not getattr(tokenizer, "chat_template", None):
-        return text
-    return [{"role": "user", "content": text}]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -101,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--output is for a file of prompts: give --input FILE.jsonl too")
     if args.input is None:
         model, tokenizer = load(args)
-        from slipstream.generation.api import generate_rows
+        from slipstream.generation.api import as_prompt, generate_rows
 
         prompt = as_prompt(args.prompt, tokenizer, args.raw)
         for c in generate_rows(model, [prompt], **generate_kwargs(args, tokenizer)):
@@ -186,6 +181,8 @@ def check_row(row: dict, where: str) -> None:
 
 
 def row_prompt(row: dict, tokenizer: Any, raw: bool) -> Any:
+    from slipstream.generation.api import as_prompt
+
     if "messages" in row:
         return row["messages"]
     if "input_ids" in row:

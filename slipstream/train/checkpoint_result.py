@@ -22,7 +22,7 @@ from slipstream.train.state import CheckpointError, read_state, verify_checkpoin
 def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
     """Save checkpoint `checkpoint`'s adapter or model and tokenizer into `into`; returns the
     run's config."""
-    from slipstream.checkpoint.hf import load_tokenizer
+    from slipstream.checkpoint.tokenizer import load_tokenizer
 
     checkpoint = Path(checkpoint)
     reason = verify_checkpoint(checkpoint)

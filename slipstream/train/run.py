@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from slipstream import distributed as dist
-from slipstream.checkpoint.hf import load_tokenizer, resolve_device
+from slipstream.checkpoint.tokenizer import load_tokenizer
 from slipstream.config import RunConfig, check_output_dir
+from slipstream.device import resolve_device
 from slipstream.objectives import build_objective
 from slipstream.sources import check_adapter_dir
 from slipstream.train.fixed_settings import check_resume_settings, say_adapter_overrides

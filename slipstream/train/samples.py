@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from slipstream.distributed import gathered_for_generation
-from slipstream.generation.api import generate
-from slipstream.generation.commands import as_prompt
+from slipstream.generation.api import as_prompt, generate
 
 
 def sample_replies(

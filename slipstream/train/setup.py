@@ -17,8 +17,8 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import atomic_write_files
-from slipstream.checkpoint.hf import choose_dtype
 from slipstream.config import RunConfig
+from slipstream.device import choose_dtype
 from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
 
 
@@ -41,7 +41,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
     from slipstream.checkpoint.model_type import check_model_source
     from slipstream.data import load_rows, load_split, pack_examples, packing_efficiency
     from slipstream.data.load import EmptySplitError
-    from slipstream.data.sharded import merge_reports
+    from slipstream.data.row_shards import merge_reports
     from slipstream.objectives import build_objective
     from slipstream.sources import check_run_paths, sources_of
 
@@ -92,7 +92,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
 def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, what: str):
     """(examples, DataReport) of one source's rows. Under torchrun each rank tokenizes a
     slice and all get every example back, in row order: every rank packs the same batches."""
-    from slipstream.data.sharded import tokenize_sharded
+    from slipstream.data.row_shards import tokenize_sharded
 
     def tokenize(part, first_row):
         return objective.tokenize(part, tokenizer, first_row)

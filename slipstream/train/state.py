@@ -5,7 +5,7 @@ trainable parameters (LoRA weights only, or every weight for full fine-tuning), 
 optimizer and scheduler states, the step, and every rank's RNG states (python, torch CPU,
 CUDA). The data order needs no state of its own: epoch e visits the packed batches in an order
 seeded by (seed, e), so the step number alone says where the data stream resumes. FSDP2
-shards are written beside `state.pt` by `torch.distributed.checkpoint` (sharded.py).
+shards are written beside `state.pt` by `torch.distributed.checkpoint` (fsdp_shards.py).
 
 Why a save goes through a temporary folder, fsyncs and a `manifest.json` written last, and
 why resume loads with `weights_only=True`: docs/reliability.md. Hashing costs one read of
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-import slipstream.train.sharded as sharded
+import slipstream.train.fsdp_shards as fsdp_shards
 from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import (
     atomic_write_text,
@@ -97,7 +97,7 @@ def save_checkpoint(
     needed = 0
     try:
         if dist.is_sharded(model):
-            sharded.save_shards(tmp, model, optimizer)
+            fsdp_shards.save_shards(tmp, model, optimizer)
         else:
             params = model.named_parameters()  # those the optimizer updates, by name
             state["model"] = {n: p.detach() for n, p in params if p.requires_grad}
@@ -275,7 +275,7 @@ def read_state(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise refused(file, sharded.what_it_calls(e)) from None
+        raise refused(file, fsdp_shards.what_it_calls(e)) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"resume: {file} is damaged ({str(e).splitlines()[0]})") from None
 
@@ -296,13 +296,13 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore parameters, optimizer, scheduler and RNG from `path`; returns the raw state."""
     state = read_state(path)
-    sharded.check_world_size(state.get("world_size", 1), path)
+    fsdp_shards.check_world_size(state.get("world_size", 1), path)
     if "model" not in state:  # written sharded (FSDP2)
         if not dist.is_sharded(model):
             raise ValueError(f"resume: {path} is sharded (FSDP); set train.parallel=fsdp")
         try:
-            sharded.load_shards(Path(path), model, optimizer)
-        except sharded.UnsafePickle as e:
+            fsdp_shards.load_shards(Path(path), model, optimizer)
+        except fsdp_shards.UnsafePickle as e:
             raise refused(*e.args) from None
     else:
         if dist.is_sharded(model):
