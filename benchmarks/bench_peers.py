@@ -24,20 +24,24 @@ gradient checkpointing (memory is ample at this size), ~1,024 tokens a micro-bat
 float32: float32 weights, no autocast. bf16: bf16 weights (LoRA factors float32), and the
 peers' `bf16=True` autocast, as Unsloth does on a CPU with native bf16.
 
-Timing: every (tool, dtype) is a fresh process with one torch thread; the first
-`--warmup` optimizer steps are dropped, tokens/s is real tokens over the wall time of the
-next `--steps`; peak RSS is the process's maxrss. `--rounds` rounds run the processes
-interleaved (the order rotates each round), and the table shows medians: on a shared machine
-the load drifts, and interleaving puts the same drift into every contender. The load
+Timing: every (tool, dtype) is a fresh process with one torch thread; the first `--warmup`
+optimizer steps are dropped, and over the next `--steps` the clocks are read after each
+optimizer step (our StepMeter.end_step, the peers' on_step_end). tokens/s is real tokens
+over the process's CPU time of those steps: on 2 cores shared with other jobs (load ~10)
+the wall clock mostly measures waiting for a core, which CPU time does not (cache and memory
+contention it still feels); wall tokens/s sits beside it. Peak RSS is the process's maxrss.
+`--rounds` rounds run the processes interleaved (the order rotates each round), and the
+table shows medians: interleaving puts the same drift into every contender. The load
 average is recorded before and after each process. MFU: the model FLOPs of a token (our
-trainer's formula, 4N a token for LoRA plus attention over the real sequences) times tokens/s,
-over the measured matmul peak of that dtype on one thread (`F.linear` (1024 x 576) @
-(576 x 1536), the shape of SmolLM2's MLP).
+trainer's formula, 4N a token for LoRA plus attention over the real sequences) times
+tokens/s, over the matmul peak of that dtype on one thread, measured the same way
+(`F.linear` (1024 x 576) @ (576 x 1536), the shape of SmolLM2's MLP, median CPU time).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -49,8 +53,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-COLUMNS = ["tool and setting", "dtype", "tokens/s", "vs slipstream", "peak RSS GB", "MFU",
-           "tokens/step", "labelled/step", "rounds"]  # fmt: skip
+COLUMNS = ["tool and setting", "dtype", "tokens/s", "vs slipstream", "wall tokens/s",
+           "wall vs slipstream", "peak RSS GB", "MFU", "tokens/step", "labelled/step",
+           "rounds"]  # fmt: skip
 TOOLS = ("slipstream", "trl", "unsloth")
 SETTINGS = {
     "slipstream": "slipstream (packed)",
@@ -77,7 +82,7 @@ def prepare(work: Path, rows: int, quick: bool) -> dict:
     gguf = smollm2_gguf_path()
     tokenizer = gguf_tokenizer(gguf)
     folder = work / ("model-tiny" if quick else "model")
-    if not (folder / "config.json").is_file():
+    if not (folder / "tokenizer.json").is_file():
         if quick:  # a random 2-layer model of SmolLM2's width classes, tiny hidden size
             from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -88,9 +93,9 @@ def prepare(work: Path, rows: int, quick: bool) -> dict:
             )  # fmt: skip
             torch.manual_seed(0)
             LlamaForCausalLM(config).float().save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
         else:
             save_model(load_model(str(gguf), dtype=torch.float32), folder, tokenizer=tokenizer)
+        tokenizer.save_pretrained(folder)  # last: its files mark a finished folder
     messages = chitchat_rows(rows, seed=0)
     examples, report = tokenize_rows(
         messages, tokenizer, max_tokens=TOKENS_PER_BATCH, overlong="truncate"
@@ -102,6 +107,8 @@ def prepare(work: Path, rows: int, quick: bool) -> dict:
         # The outside check of our ids: the tokenizer's own rendering of the conversation.
         theirs = tokenizer.apply_chat_template(row["messages"], tokenize=True)
         theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs  # BatchEncoding
+        if len(theirs) > TOKENS_PER_BATCH:  # over a micro-batch: left out for every tool
+            continue
         if list(theirs) != ex.input_ids:
             raise SystemExit("bench_peers: our chat ids differ from apply_chat_template's")
         labels = [t if keep else -100 for t, keep in zip(ex.input_ids, ex.trainable, strict=True)]
@@ -115,6 +122,7 @@ def prepare(work: Path, rows: int, quick: bool) -> dict:
         "model": str(folder),
         "data": str(path),
         "rows": len(data),
+        "left_out": len(messages) - len(data),
         "tokens": sum(lengths),
         "labelled": sum(sum(x != -100 for x in r["labels"]) for r in data),
         "flops_per_token": flops(lengths) / sum(lengths),
@@ -124,7 +132,8 @@ def prepare(work: Path, rows: int, quick: bool) -> dict:
 
 
 def matmul_peak(dtype_name: str) -> float:
-    """GFLOP/s of one thread on (1024 x 576) @ (576 x 1536), median of 7 after warm-up."""
+    """GFLOP/s of one thread on (1024 x 576) @ (576 x 1536): median CPU time of 7 after
+    3 warm-up calls."""
     import torch
     import torch.nn.functional as F
 
@@ -134,10 +143,10 @@ def matmul_peak(dtype_name: str) -> float:
     x, w = torch.randn(1024, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
     times = []
     for i in range(10):
-        start = time.perf_counter()
+        start = time.process_time()
         F.linear(x, w)
         if i >= 3:
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
     torch.set_num_threads(before)
     return 2 * 1024 * 576 * 1536 / statistics.median(times) / 1e9
 
@@ -165,16 +174,30 @@ def worker_slipstream(args: argparse.Namespace) -> dict:
         },
         "output_dir": str(out / "run"),
     }  # fmt: skip
+    # The clocks read where the peers' on_step_end reads them: after each optimizer step.
+    from slipstream.train.meter import StepMeter
+
+    clocks, end_step, init = [], StepMeter.end_step, StepMeter.__init__
+
+    def timed_init(self, *a, **kw):
+        init(self, *a, **kw)
+        clocks.append((time.perf_counter(), time.process_time()))
+
+    def timed_end_step(self, *a, **kw):
+        stopping = end_step(self, *a, **kw)
+        clocks.append((time.perf_counter(), time.process_time()))
+        return stopping
+
+    StepMeter.__init__, StepMeter.end_step = timed_init, timed_end_step
     train(config_from_dict(raw))
     records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "tokens_per_s" in r and "step" in r]
     steps, previous = [], 0
-    for r in records:
-        tokens = r["tokens"] - previous
-        previous = r["tokens"]
-        steps.append({"tokens": tokens, "seconds": tokens / r["tokens_per_s"]})
-    # Our labels are the data's by construction (tokenize_rows made both): count them so.
-    return {"steps": steps[args.warmup :], "labelled_total": None}
+    for r, (a, b) in zip(records, itertools.pairwise(clocks), strict=True):
+        tokens, previous = r["tokens"] - previous, r["tokens"]
+        steps.append({"tokens": tokens, "seconds": b[0] - a[0], "cpu_seconds": b[1] - a[1]})
+    # Our labels are the data's by construction (tokenize_rows made both).
+    return {"steps": steps[args.warmup :]}
 
 
 def worker_sft_trainer(args: argparse.Namespace) -> dict:
@@ -241,11 +264,13 @@ def worker_sft_trainer(args: argparse.Namespace) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **kw):
-            last[0] = time.perf_counter()
+            last[0] = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, *a, **kw):
-            now = time.perf_counter()
-            steps.append({**current, "seconds": now - last[0]})
+            now = (time.perf_counter(), time.process_time())
+            steps.append(
+                {**current, "seconds": now[0] - last[0][0], "cpu_seconds": now[1] - last[0][1]}
+            )
             current.update(tokens=0, labelled=0)
             last[0] = now
 
@@ -298,6 +323,7 @@ def run_worker(python: str, tool: str, dtype: str, info: dict, args) -> dict:
     labelled = [s.get("labelled") for s in steps]
     return {
         "tool": tool, "dtype": dtype, "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / sum(s["cpu_seconds"] for s in steps),
         "tokens_per_step": tokens / len(steps),
         "labelled_per_step": None if None in labelled else sum(labelled) / len(steps),
         "peak_rss_gb": result["peak_rss_gb"], "load_before": load,
@@ -330,8 +356,9 @@ def summarise(results: list[dict], info: dict, peaks: dict) -> list[dict]:
     rows = []
     ok = [r for r in results if "error" not in r]
     for dtype in ("float32", "bfloat16"):
-        ours = [r["tokens_per_s"] for r in ok if r["tool"] == "slipstream" and r["dtype"] == dtype]
-        ours_med = statistics.median(ours) if ours else None
+        ours = [r for r in ok if r["tool"] == "slipstream" and r["dtype"] == dtype]
+        ours_cpu = statistics.median(r["tokens_per_cpu_s"] for r in ours) if ours else None
+        ours_wall = statistics.median(r["tokens_per_s"] for r in ours) if ours else None
         for tool in TOOLS:
             mine = [r for r in ok if r["tool"] == tool and r["dtype"] == dtype]
             errors = [
@@ -342,16 +369,21 @@ def summarise(results: list[dict], info: dict, peaks: dict) -> list[dict]:
                     rows.append({"tool and setting": SETTINGS[tool], "dtype": dtype,
                                  "tokens/s": "failed", "error": errors[0]["error"]})  # fmt: skip
                 continue
-            rate = statistics.median(r["tokens_per_s"] for r in mine)
+            rate = statistics.median(r["tokens_per_cpu_s"] for r in mine)
+            wall = statistics.median(r["tokens_per_s"] for r in mine)
             labelled = [r["labelled_per_step"] for r in mine if r["labelled_per_step"] is not None]
             rows.append({
                 "tool and setting": SETTINGS[tool], "dtype": dtype, "tokens/s": round(rate, 1),
-                "vs slipstream": f"{rate / ours_med:.2f}x" if ours_med else None,
+                "vs slipstream": f"{rate / ours_cpu:.2f}x" if ours_cpu else None,
+                "wall tokens/s": round(wall, 1),
+                "wall vs slipstream": f"{wall / ours_wall:.2f}x" if ours_wall else None,
                 "peak RSS GB": round(statistics.median(r["peak_rss_gb"] for r in mine), 2),
                 "MFU": f"{rate * info['flops_per_token'] / (peaks[dtype] * 1e9):.1%}",
                 "tokens/step": round(statistics.median(r["tokens_per_step"] for r in mine)),
                 "labelled/step": round(statistics.median(labelled)) if labelled else None,
-                "rounds": len(mine), "raw tokens/s": [round(r["tokens_per_s"], 1) for r in mine],
+                "rounds": len(mine),
+                "raw tokens/s": [round(r["tokens_per_cpu_s"], 1) for r in mine],
+                "raw wall tokens/s": [round(r["tokens_per_s"], 1) for r in mine],
             })  # fmt: skip
     return rows
 
@@ -410,7 +442,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             res["round"] = r
             results.append(res)
             rate = res.get("tokens_per_s")
-            said = f"{rate:.1f} tok/s" if rate else res.get("error")
+            cpu_rate = res.get("tokens_per_cpu_s")
+            said = f"{cpu_rate:.1f} tok/CPU-s, {rate:.1f} tok/s" if rate else res.get("error")
             print(f"round {r} {tool} {dtype}: {said}", file=sys.stderr)
     rows = summarise(results, info, peaks)
     sys.path.insert(0, str(HERE.parent))
@@ -421,7 +454,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"CPU: {cpu_line()}; one torch thread a process; load average {load_line(results)}")
     print("matmul peak, 1 thread: " + ", ".join(f"{d} {p:.0f} GFLOP/s" for d, p in peaks.items()))
     print(
-        f"data: {info['rows']} conversations, {info['tokens']} tokens, {info['labelled']} "
+        f"data: {info['rows']} conversations ({info['left_out']} over {TOKENS_PER_BATCH} "
+        f"tokens left out), {info['tokens']} tokens, {info['labelled']} "
         f"labelled; Unsloth grad-accum {info['grad_accum']}; masks vs Unsloth: {masks}"
     )
     print(common.markdown_table(rows, COLUMNS))
