@@ -92,6 +92,17 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     print(f"loaded and dequantised in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     before = chat_reply(model, tokenizer, PROMPT, max_new_tokens=32)
     summary = train(cfg, model=model, tokenizer=tokenizer)
+    if summary["status"] == "interrupted":  # Ctrl-C: a checkpoint, no final adapter to show
+        import signal
+
+        stopped_by = summary.get("signal") or "SIGTERM"
+        print(
+            f"slipstream demo: interrupted by {stopped_by} at step {summary['steps']}; its "
+            f"checkpoint is in {Path(out) / 'checkpoints'}: `slipstream train "
+            f"{Path(out) / 'config.yaml'} resume=true` continues it",
+            file=sys.stderr,
+        )
+        return 128 + signal.Signals[stopped_by].value
     after = chat_reply(model, tokenizer, PROMPT, max_new_tokens=32)
 
     print()

@@ -28,3 +28,24 @@ def test_demo_runs_offline_and_lowers_held_out_loss(tmp_path):
     assert (out / "adapter_config.json").is_file()
     assert (out / "loss.png").is_file()
     print(f"demo took {elapsed:.0f} s")
+
+
+def test_interrupted_demo_says_how_to_continue(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the demo's training was a TypeError (no eval_loss_after to print)."""
+    import slipstream.checkpoint.gguf as gguf_module
+    import slipstream.generation as generation
+    import slipstream.train.loop as loop
+    import slipstream.train.setup as setup
+    from slipstream import cli
+
+    stopped = {"status": "interrupted", "signal": "SIGINT", "steps": 5,
+               "eval_loss_before": 4.02, "eval_loss_after": None}  # fmt: skip
+    monkeypatch.setattr(gguf_module, "gguf_tokenizer", lambda path: None)
+    monkeypatch.setattr(setup, "build_model", lambda cfg, device: None)
+    monkeypatch.setattr(generation, "chat_reply", lambda *a, **k: "")
+    monkeypatch.setattr(loop, "train", lambda cfg, **kw: stopped)
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--output-dir", str(out)]) == 130  # 128 + SIGINT, as train's
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"interrupted by SIGINT at step 5; its checkpoint is in {out / 'checkpoints'}" in err
+    assert f"slipstream train {out / 'config.yaml'} resume=true" in err

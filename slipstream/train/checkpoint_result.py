@@ -2,7 +2,7 @@
 `RUN/checkpoints/step-N` (a run stopped before its end, or an earlier step of a finished one).
 
 A checkpoint's `state.pt` holds the trainable tensors by parameter name and the run's config.
-We build the model as the run did (on the CPU, without checkpointing or compile; a QLoRA
+We build the model as the run did (on the CPU, without checkpointing, compile or prepacking; a QLoRA
 base unquantised: the adapter does not depend on it), put those tensors in, and save what the
 run saves at its end (the PEFT adapter or the full model, and the tokenizer with the run's
 chat template) into a folder that the usual export then reads.
@@ -37,7 +37,12 @@ def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
         )
     cfg = RunConfig.model_validate(state["extra"]["config"])
     train = cfg.train.model_copy(
-        update={"activation_checkpointing": "none", "compile": False, "device": "cpu"}
+        update={
+            "activation_checkpointing": "none",
+            "compile": False,
+            "device": "cpu",
+            "prepack": False,
+        }  # fmt: skip
     )
     model_cfg = cfg.model.model_copy(update={"quantization": "none"})
     if cfg.lora.method == "full":  # the weights in the dtype they were trained in
