@@ -91,6 +91,10 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
     if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
         torch.cuda.set_device(device)
+    else:  # activations in host memory: reuse freed blocks instead of faulting in new pages
+        from slipstream.memory.host_heap import keep_freed_memory
+
+        keep_freed_memory()
     world = dist.world_size()
     mode = dist.resolve_mode(
         t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
