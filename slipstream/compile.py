@@ -14,6 +14,9 @@ What stays out:
 Dynamic shapes because the packed length changes every batch.
 
 Off by default (`train.compile`): whether it wins on a GPU is for the GPU suite to measure.
+On CPU (Inductor's C++ backend) it measured no gain on a SmolLM2-shaped LoRA step (2,079 vs
+2,099 ms CPU time) and it excludes prepacked frozen weights, which are worth 1.47x there
+(docs/benchmarks.md, "CPU training step").
 """
 
 from __future__ import annotations
