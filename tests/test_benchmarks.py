@@ -233,4 +233,4 @@ def test_peers_quick(tmp_path, capsys):
     assert 0.5 * bench_peers.TOKENS_PER_BATCH < row["tokens/step"] <= bench_peers.TOKENS_PER_BATCH
     info = json.loads(out.read_text())["info"]
     assert info["rows"] == 24 and 0 < info["labelled"] < info["tokens"]
-    assert info["peaks_gflops"]["bfloat16"] > 0
+    assert info["peaks_gflops"]["bfloat16"]["peak"] > 0
