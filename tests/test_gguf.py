@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.checkpoint.gguf import read_gguf, smollm2_gguf_path, unpermute_rotary
+from slipstream.checkpoint.gguf import read_gguf, smollm2_gguf_path
+from slipstream.checkpoint.gguf_spec import unpermute_rotary
 
 gguf = pytest.importorskip("gguf")
 

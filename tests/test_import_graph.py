@@ -138,7 +138,7 @@ def test_module_imports_sees_lazy_package_and_relative_imports():
     }
     graph = module_graph()
     assert "slipstream.peft.lora_linear" in graph["slipstream.peft.dora"]
-    assert "slipstream.checkpoint.gguf_llama3" in graph["slipstream.checkpoint.gguf_config"]
+    assert "slipstream.checkpoint.gguf_llama3" in graph["slipstream.checkpoint.gguf_families"]
 
 
 def test_checkpoint_uses_peft_and_models_not_the_reverse():

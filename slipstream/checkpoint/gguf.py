@@ -4,10 +4,9 @@ The config comes from the metadata (`gguf_config.py`). Tensors stream one at a t
 memory-mapped file, each dequantised with the `gguf` package (`gguf.quants.dequantize`) and
 renamed by running the export backwards: the family's own checkpoint names (its `WeightMap`
 over a meta model) go through `gguf_arch.to_llama_cpp`, which gives each HF tensor's
-llama.cpp name(s); `to_hf` undoes the layout changes (llama's Q/K row permutation: llama.cpp
-interleaves each head's rotary pairs, GPT-J style, where HF rotates halves; Gemma's norm + 1;
-MoE experts stacked, gpt-oss's gate/up split and transposed). So a file llama.cpp's converter
-wrote for these families reads the same way as ours.
+llama.cpp name(s); the family's `GGUFSpec.to_hf` undoes the layout changes (gguf_families.py:
+each beside its export). So a file llama.cpp's converter wrote for these families reads the
+same way as ours.
 
 Shapes: GGUF lists dims fastest-first (ne0, ne1); numpy/torch arrays here are (ne1, ne0), the
 usual (out_features, in_features).
@@ -23,21 +22,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipstream.checkpoint.gguf_config import CONFIG_TENSORS, hf_config_from_gguf
+from slipstream.checkpoint.gguf_config import hf_config_from_gguf
+from slipstream.checkpoint.gguf_families import CONFIG_TENSORS
 from slipstream.checkpoint.gguf_fields import field
+from slipstream.checkpoint.gguf_spec import GGUFSpec
 from slipstream.sources import (  # noqa: F401 (re-exported: the demo file lives here too)
     SMOLLM2_FILE,
     SMOLLM2_INSTALL,
     builtin_hub_id,
     smollm2_gguf_path,
 )
-
-
-def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, interleaved pairs -> two halves."""
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _open(path: str | Path) -> Any:
@@ -90,7 +84,7 @@ def _tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    sources, cfg, kind = _sources(config)
+    sources, cfg, spec = _sources(config)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for t in reader.tensors:
         if t.name in CONFIG_TENSORS:
@@ -107,7 +101,7 @@ def _tensors(
         got[t.name] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
         if len(got) == len(parts):
             del pending[hf]
-            for name, x in to_hf(kind, cfg, hf, [got[p] for p in parts]):
+            for name, x in spec.to_hf(cfg, hf, [got[p] for p in parts]):
                 yield name, x.to(dtype)
     if pending:
         hf, got = next(iter(pending.items()))
@@ -115,22 +109,24 @@ def _tensors(
         raise ValueError(f"{path}: GGUF tensor {missing[0]!r} is missing (for {hf!r}).")
 
 
-def _sources(config: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], Any, str]:
+def _sources(config: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], Any, GGUFSpec]:
     """{llama.cpp name: (HF name, the llama.cpp names it is made of)}: the export's names
     (`gguf_arch`) run backwards over the family's own checkpoint names, from a meta model."""
     import gguf
 
-    from slipstream.checkpoint.gguf_arch import ARCHS, PER_EXPERT, gguf_arch, to_llama_cpp
+    from slipstream.checkpoint.gguf_arch import gguf_arch, to_llama_cpp
+    from slipstream.checkpoint.gguf_families import BY_MODEL_TYPE
     from slipstream.models import family_for, weight_map
+    from slipstream.models.qwen3_moe import PER_EXPERT
 
     family = family_for(config["model_type"], "GGUF metadata")
     cfg = family.config_from_hf({k: v for k, v in config.items() if k != "_name_or_path"})
-    kind = ARCHS[cfg.model_type]
+    spec = BY_MODEL_TYPE[cfg.model_type]
     table = gguf.get_tensor_name_map(gguf_arch(cfg.model_type), cfg.num_hidden_layers)
 
     def rename(hf_name: str) -> str:
         out = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert out is not None, f"no llama.cpp name for {hf_name} ({kind})"  # export refuses
+        assert out is not None, f"no llama.cpp name for {hf_name} ({spec.arch})"  # export refuses
         return out
 
     with torch.device("meta"):
@@ -142,36 +138,10 @@ def _sources(config: dict) -> tuple[dict[str, tuple[str, tuple[str, ...]]], Any,
         m = PER_EXPERT.match(name)
         if m is not None:  # qwen3_moe: one (E, F, D) tensor per projection, unstacked on read
             name = f"{m.group(1)}.{m.group(3)}.weight"
-        parts = tuple(g for g, _ in to_llama_cpp(kind, cfg, name, t, rename))
+        parts = tuple(g for g, _ in to_llama_cpp(spec, cfg, name, t, rename))
         for g in parts:
             sources[g] = (name, parts)
-    return sources, cfg, kind
-
-
-def to_hf(
-    kind: str, cfg: Any, name: str, parts: list[torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF tensor(s) for `name` from its llama.cpp parts: `gguf_arch.to_llama_cpp` inverted."""
-    w = parts[0]
-    if kind == "LLAMA" and name.endswith(("q_proj.weight", "q_proj.bias")):
-        yield name, unpermute_rotary(w, cfg.num_attention_heads)
-    elif kind == "LLAMA" and name.endswith(("k_proj.weight", "k_proj.bias")):
-        yield name, unpermute_rotary(w, cfg.num_key_value_heads)
-    elif kind == "GEMMA3" and name.endswith("norm.weight"):
-        yield name, w - 1.0
-    elif kind == "GPT_OSS" and name.endswith("mlp.experts.gate_up_proj"):
-        gate, up = parts  # (E, I, D) each -> (E, D, 2I), gate at even columns
-        yield name, torch.stack((gate, up), dim=2).flatten(1, 2).transpose(1, 2).contiguous()
-    elif kind == "GPT_OSS" and name.endswith("mlp.experts.gate_up_proj_bias"):
-        yield name, torch.stack(parts, dim=2).flatten(1, 2)  # (E, I) x 2 -> (E, 2I)
-    elif kind == "GPT_OSS" and name.endswith("mlp.experts.down_proj"):
-        yield name, w.transpose(1, 2).contiguous()  # (E, D, I) -> (E, I, D)
-    elif kind == "QWEN3MOE" and ".mlp.experts." in name:
-        prefix, _, proj = name.removesuffix(".weight").rpartition(".")
-        for e in range(w.shape[0]):
-            yield f"{prefix}.{e}.{proj}.weight", w[e]
-    else:
-        yield name, w
+    return sources, cfg, spec
 
 
 def gguf_tokenizer(path: str | Path) -> Any:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.checkpoint.atomic import atomic_write
-from slipstream.checkpoint.gguf_arch import ARCHS, gguf_arch, permute_rotary
-
-PEFT_PREFIX = "base_model.model."
+from slipstream.checkpoint.gguf_arch import gguf_arch
+from slipstream.checkpoint.gguf_families import BY_MODEL_TYPE
+from slipstream.peft.names import PEFT_PREFIX
 
 
 def export_adapter_gguf(
@@ -104,7 +104,7 @@ def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:
 
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     layouts = weight_map(cfg).layouts
-    kind = ARCHS[cfg.model_type]
+    spec = BY_MODEL_TYPE[cfg.model_type]
     pairs: dict[str, list] = {}
     for key, t in weights.items():
         if ".lora_A." not in key and ".lora_B." not in key:
@@ -120,12 +120,10 @@ def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:
         if gname is None:
             raise ValueError(f"GGUF LoRA: no llama.cpp name for adapted module {module!r}.")
         slot = pairs.setdefault(gname, [None, None])
-        slot[0 if ".lora_A." in key else 1] = t
-        if ".lora_B." in key and kind == "LLAMA":
-            if module.endswith("q_proj"):
-                slot[1] = permute_rotary(t, cfg.num_attention_heads)
-            elif module.endswith("k_proj"):
-                slot[1] = permute_rotary(t, cfg.num_key_value_heads)
+        # B's rows are the weight's output rows: the export's row permutation applies to them.
+        slot[0 if ".lora_A." in key else 1] = (
+            t if ".lora_A." in key else spec.lora_b(cfg, module, t)
+        )
     for name, (a, b) in pairs.items():
         if a is None or b is None:
             raise ValueError(f"GGUF LoRA: {name} has only one of lora_A/lora_B.")

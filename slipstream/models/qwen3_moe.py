@@ -45,7 +45,7 @@ from slipstream.models.qwen3 import attention
 from slipstream.models.weights import WeightMap, check_shape
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 
-_PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -141,7 +141,7 @@ class Qwen3MoeWeights(WeightMap):
 
     def load(self, model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
         """Copy a per-expert tensor into its slice of the stacked expert parameter."""
-        m = _PER_EXPERT.match(name)
+        m = PER_EXPERT.match(name)
         if m is None:
             return False
         prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
