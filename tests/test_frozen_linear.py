@@ -137,3 +137,24 @@ def test_chunked_head_through_onednn_equals_f_linear(enabled, monkeypatch):
     want = torch.autograd.grad(ref, (h, w))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_token_logps_through_onednn_equals_f_linear(frozen, monkeypatch):
+    """The log-prob path (DPO, GRPO) takes oneDNN for a frozen head; same values and grads."""
+    from slipstream.ops.loss import linear_token_logps
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(19, 40, generator=g, requires_grad=True)
+    w = torch.randn(301, 40, generator=g).requires_grad_(not frozen)
+    y = torch.randint(0, 301, (19,), generator=g)
+    calls = []
+    real = onednn.pointwise
+    monkeypatch.setattr(onednn, "pointwise", lambda *a: calls.append(1) or real(*a))
+    got = linear_token_logps(h, w, y, chunk_size=8)  # 3 chunks, each recomputed in backward
+    ref = torch.log_softmax(h @ w.T, -1).gather(1, y[:, None])[:, 0]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    inputs = (h, w) if not frozen else (h,)
+    for a, b in zip(torch.autograd.grad(got.sum(), inputs), torch.autograd.grad(ref.sum(), inputs)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert bool(calls) == frozen

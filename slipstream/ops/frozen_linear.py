@@ -47,6 +47,14 @@ class _FrozenLinear(torch.autograd.Function):
         return onednn.grad_input(g_MO.contiguous(), W_OI), None, None, None
 
 
+def linear_frozen(x_MI: torch.Tensor, W_OI: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with autograd for x only, through oneDNN where it wins and W is frozen (an LM
+    head under LoRA); F.linear otherwise (a trained W gets its gradient there)."""
+    if W_OI.requires_grad or not onednn.wins(x_MI, W_OI):
+        return F.linear(x_MI, W_OI)
+    return _FrozenLinear.apply(x_MI, W_OI, W_OI, None)
+
+
 def _frozen_plain_float32(m: nn.Linear) -> bool:
     W, b = m.weight, m.bias
     return (

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.ops import onednn
+from slipstream.ops.frozen_linear import linear_frozen
 
 
 def _torch_has_chunked_lce() -> bool:
@@ -191,6 +192,6 @@ def linear_token_logps(
 
 
 def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor) -> torch.Tensor:
-    logits_CV = F.linear(h_CD, w_VD).float()
+    logits_CV = linear_frozen(h_CD, w_VD).float()  # a frozen float32 CPU head: oneDNN
     picked_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
     return picked_C - torch.logsumexp(logits_CV, dim=-1)
