@@ -325,3 +325,18 @@ def test_varlen_only_for_half_precision_flash_shapes():
     assert not attention._varlen_fits(bf16.float())  # FlashAttention: fp16/bf16 only
     assert not attention._varlen_fits(torch.zeros(4, 2, 60, dtype=torch.bfloat16))
     assert not attention._varlen_fits(torch.zeros(4, 2, 512, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not attention.CPU_HALF_IN_FLOAT32, reason="a CPU with AMX keeps bf16")
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_cpu_bf16_attention_is_computed_in_float32(per_sequence, monkeypatch):
+    """Without AMX, bf16 SDPA is slower than float32 on CPU: inputs are upcast, output cast
+    back, so the result is float32 attention rounded once to bf16."""
+    if per_sequence:
+        monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", 0)
+    q, k, v = (x.detach().to(torch.bfloat16) for x in _qkv(sum(LENGTHS), Dh=16))
+    seq = SeqInfo.from_lengths(LENGTHS)
+    out = attend(q, k, v, seq)
+    assert out.dtype == torch.bfloat16
+    want = attend(q.float(), k.float(), v.float(), seq).to(torch.bfloat16)
+    assert torch.equal(out, want)

@@ -142,7 +142,8 @@ def _in_float32(fn):
     """fn(q, k, v, *rest) computed in float32 for half-precision CPU inputs (see above)."""
 
     def run(q_THD, k_TGD, v_TGD, *rest):
-        if not (CPU_HALF_IN_FLOAT32 and q_THD.dtype in (torch.bfloat16, torch.float16)):
+        half = q_THD.dtype in (torch.bfloat16, torch.float16)
+        if not (CPU_HALF_IN_FLOAT32 and half and q_THD.device.type == "cpu"):
             return fn(q_THD, k_TGD, v_TGD, *rest)
         return fn(q_THD.float(), k_TGD.float(), v_TGD.float(), *rest).to(q_THD.dtype)
 
