@@ -145,7 +145,7 @@ def test_bf16_export_and_expert_merge(moe_path, tmp_path):
         for name in m.targets:
             delta = torch.bmm(m.lora_B[name].detach(), m.lora_A[name].detach())
             w = getattr(m.base_layer, name)
-            expected[f"{path}.{name}"] = (w.float() + m.scaling * delta).bfloat16()
+            expected[f"{path}.{name}"] = (w.float() + m.scaling[name] * delta).bfloat16()
     for name, m in lora_modules(model).items():
         delta = m.lora_B.weight.detach() @ m.lora_A.weight.detach()
         expected[f"{name}.weight"] = (m.base_layer.weight.float() + m.scaling * delta).bfloat16()
@@ -190,7 +190,7 @@ def test_bf16_expert_delta_runs_bf16_gemms(moe_path, monkeypatch, rank, grouped)
         A, B = experts.lora_A[name].bfloat16().float(), experts.lora_B[name].bfloat16().float()
         e = routing.expert_R
         h = torch.einsum("rji,ri->rj", A[e], x_RI.float()).bfloat16().float()
-        want = experts.scaling * torch.einsum("roj,rj->ro", B[e], h)
+        want = experts.scaling[name] * torch.einsum("roj,rj->ro", B[e], h)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, **BF16)
         assert want.abs().max() > 0.1

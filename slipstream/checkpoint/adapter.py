@@ -2,8 +2,9 @@
 `adapter_model.safetensors`, so `peft.PeftModel.from_pretrained` loads ours and PEFT's load here.
 
 Keys and `target_modules` are PEFT's names (peft/names.py); expert LoRA goes under PEFT's
-`target_parameters` (peft/lora_experts.py). A regex `target_modules` in an adapter we load is
-full-matched on transformers' path of each of our linears, as peft does.
+`target_parameters` (peft/lora_experts.py). What an adapter we load puts LoRA on, and at
+which rank and alpha, follows peft 0.21's rules (peft/matching.py); targets whose rank or alpha
+is not the default are saved as exact `rank_pattern` / `alpha_pattern` keys.
 """
 
 from __future__ import annotations
@@ -19,25 +20,25 @@ from torch import nn
 
 from slipstream.checkpoint.atomic import atomic_write
 from slipstream.models import weight_map
-from slipstream.models.moe_block import moe_blocks
 from slipstream.peft.lora import (
     check_hyperparameters,
+    is_router_lora,
     linear_children,
-    linear_names,
     lora_modules,
     wrap_lora,
 )
 from slipstream.peft.lora_experts import (
     expert_lora_factors,
+    expert_lora_modules,
     expert_lora_tensors,
     load_expert_lora_tensors,
 )
+from slipstream.peft.matching import adapter_targets, check_keys, model_targets
 from slipstream.peft.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
     adapter_key,
-    expert_targets,
     model_layout,
     peft_path,
     target_modules,
@@ -94,7 +95,10 @@ def save_adapter(
         "lora_alpha": cfg["lora_alpha"],
         "lora_dropout": cfg["lora_dropout"],
         "target_modules": target_modules(
-            cfg["target_modules"], list(lora_modules(model)), unwrapped, model_layout(model)
+            cfg["target_modules"],
+            [n for n, m in lora_modules(model).items() if not is_router_lora(m)],
+            unwrapped,
+            model_layout(model),
         ),
         "use_rslora": cfg["use_rslora"],
         "bias": "none",
@@ -106,6 +110,7 @@ def save_adapter(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
+        **_patterns(model, cfg["r"], cfg["lora_alpha"]),
         "use_dora": bool(cfg.get("use_dora", False)),
         "revision": None,
     }
@@ -118,6 +123,27 @@ def save_adapter(
     except OSError as e:
         raise ValueError(f"cannot write adapter to {out}: {e.strerror}") from None
     return out
+
+
+def _patterns(model: nn.Module, rank: int, alpha: float) -> dict[str, dict[str, float]]:
+    """peft's `rank_pattern` / `alpha_pattern` for the targets whose rank or alpha is not the
+    default: one anchored key per target (its escaped path; peft matches a key at the end of a
+    path after a "."), so each reaches exactly that target."""
+    layout = model_layout(model)
+    found = {
+        f"{n}.weight" if is_router_lora(m) else n: (m.rank, m.alpha)
+        for n, m in lora_modules(model).items()
+    }  # a router's LoRA is on its weight parameter: peft's key is the parameter's path
+    for path, m in expert_lora_modules(model).items():
+        found.update({f"{path}.{t}": (m.rank[t], m.alpha[t]) for t in m.targets})
+    ranks, alphas = {}, {}
+    for name, (r, a) in found.items():
+        key = re.escape(peft_path(name, layout))
+        if r != rank:
+            ranks[key] = r
+        if a != alpha:
+            alphas[key] = a
+    return {"rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 def tokenizer_source(adapter: Path, base: str) -> str:
@@ -134,26 +160,10 @@ def _read_adapter_config(path: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {cfg['peft_type']!r} is not supported; only LORA")
-    unsupported = {
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "layers_to_transform": None,
-        "modules_to_save": None,
-        "lora_bias": False,
-    }
-    for key, ok in unsupported.items():
-        if cfg.get(key, ok) not in (ok, None, [], {}):
-            raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (need {ok!r})")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str) and targets != "all-linear":
-        try:
-            re.compile(targets)
-        except re.error as e:
-            raise ValueError(f"{path}: target_modules {targets!r} is no valid regex: {e}") from None
-    if cfg.get("exclude_modules"):
-        raise ValueError(f"{path}: exclude_modules={cfg['exclude_modules']!r} is not supported")
+    for key in ("r", "lora_alpha"):
+        if key not in cfg:
+            raise ValueError(f"{path}: no {key!r}: not a LoRA adapter config")
+    check_keys(cfg, path)
     return cfg
 
 
@@ -188,40 +198,51 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
 
 
 def _apply_adapter_config(model: nn.Module, cfg: dict, src: Path) -> None:
-    """Wrap `model` as the adapter config says, or check that its LoRA is the same."""
+    """Wrap `model` as the adapter config says (peft's rules: peft/matching.py), or check that
+    its LoRA is the same."""
     source = src / ADAPTER_CONFIG
     rank, alpha = int(cfg["r"]), cfg["lora_alpha"]
     use_rslora = bool(cfg.get("use_rslora", False))
     use_dora = bool(cfg.get("use_dora", False))
-    experts = _expert_targets(cfg, source, model)
+    targets = adapter_targets(cfg, model, source)
     current = getattr(model, "lora_config", None)
     if current is not None:
-        have = (current["r"], current["lora_alpha"], current["use_rslora"], current.get("use_dora"))
-        if have != (rank, alpha, use_rslora, use_dora):
-            raise ValueError(
-                f"{src}: adapter has r={rank}, lora_alpha={alpha}, use_rslora={use_rslora}, "
-                f"use_dora={use_dora} but the model's LoRA has r={have[0]}, "
-                f"lora_alpha={have[1]}, use_rslora={have[2]}, use_dora={have[3]}"
-            )
+        differs = _difference(model, targets, use_rslora, use_dora)
+        if differs:
+            raise ValueError(f"{src}: the model already has a different LoRA: {differs}")
         return
     dropout = cfg.get("lora_dropout") or 0.0
-    check_hyperparameters(rank, alpha, dropout, str(source), experts=bool(experts))
-    linear = _linear_targets(cfg.get("target_modules") or [], model, source)
-    wrap_lora(model, rank, alpha, dropout, linear, experts, use_rslora, use_dora)
+    for r, a in {(rank, alpha), *targets.linears.values()}:
+        check_hyperparameters(r, a, dropout, str(source))
+    on_params = [
+        *targets.routers.values(),
+        *(ra for p in targets.experts.values() for ra in p.values()),
+    ]
+    for r, a in on_params:
+        check_hyperparameters(r, a, dropout, str(source), experts=True)
+    wrap_lora(model, targets, rank, alpha, dropout, use_rslora, use_dora)
 
 
-def _linear_targets(targets: list[str] | str, model: nn.Module, source: Path):
-    """`target_modules` as `wrap_lora` takes them: "all-linear", a compiled regex or a set."""
-    if isinstance(targets, str):
-        return targets if targets == "all-linear" else re.compile(targets)
-    present = linear_names(model)
-    missing = sorted(set(targets) - present)
-    if missing:
-        raise ValueError(
-            f"{source}: target_modules {missing} match no nn.Linear in "
-            f"the model; linear module names present: {sorted(present)}"
+def _difference(model: nn.Module, targets, use_rslora: bool, use_dora: bool) -> str | None:
+    """How the adapter's LoRA differs from the one `model` has (None: it does not)."""
+    cfg = model.lora_config
+    if (cfg["use_rslora"], bool(cfg.get("use_dora"))) != (use_rslora, use_dora):
+        return (
+            f"adapter use_rslora={use_rslora}, use_dora={use_dora}; model "
+            f"use_rslora={cfg['use_rslora']}, use_dora={bool(cfg.get('use_dora'))}"
         )
-    return set(targets)
+    have = model_targets(model)
+    theirs = {**targets.linears, **targets.routers, **_flat(targets.experts)}
+    ours = {**have.linears, **have.routers, **_flat(have.experts)}
+    for name in sorted(set(theirs) | set(ours)):
+        if theirs.get(name) != ours.get(name):
+            show = lambda ra: "no LoRA" if ra is None else f"r={ra[0]}, lora_alpha={ra[1]}"  # noqa: E731
+            return f"{name}: adapter {show(theirs.get(name))}, model {show(ours.get(name))}"
+    return None
+
+
+def _flat(experts: dict[str, dict[str, tuple[int, float]]]) -> dict[str, tuple[int, float]]:
+    return {f"{path}.{t}": ra for path, params in experts.items() for t, ra in params.items()}
 
 
 def _unexpected_key(model: nn.Module, key: str, source: Path) -> None:
@@ -234,19 +255,3 @@ def _unexpected_key(model: nn.Module, key: str, source: Path) -> None:
             r"that only matches the language model, e.g. 'model\.language_model\..*\.q_proj'"
         )
     raise ValueError(f"{source}: tensor {key} matches no LoRA module in the model")
-
-
-def _expert_targets(cfg: dict, source: Path, model: nn.Module) -> list[str]:
-    """The expert parameters an adapter's `target_parameters` names (PEFT's MoE layout)."""
-    params = cfg.get("target_parameters") or []
-    if isinstance(params, str):
-        params = [params]
-    names = expert_targets(params)
-    if names is None:
-        raise ValueError(
-            f"{source}: target_parameters {params} are not supported; "
-            "use mlp.experts.gate_up_proj and/or mlp.experts.down_proj"
-        )
-    if names and not moe_blocks(model):
-        raise ValueError(f"{source}: target_parameters {params} need a MoE model (no MoE layers)")
-    return names

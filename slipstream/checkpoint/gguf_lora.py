@@ -4,7 +4,8 @@ The file holds, per adapted matrix, `<llama.cpp name>.lora_a` (r, in) and `.lora
 float32, with `adapter.lora.alpha`; llama.cpp adds (alpha / r) * B @ A to the base weight, as
 PEFT does. Only the adapter is read (plus the base's config for the architecture and head
 counts), never the base weights. rsLoRA's scale alpha / sqrt(r) is written as the alpha that
-gives it; layouts follow the base export (llama's Q/K row permutation applies to B's rows).
+gives it; per-target ranks and alphas (rank_pattern / alpha_pattern) are folded into each B;
+layouts follow the base export (llama's Q/K row permutation applies to B's rows).
 DoRA and LoRA on MoE experts have no GGUF LoRA form: one-line errors.
 """
 
@@ -56,11 +57,15 @@ def export_adapter_gguf(
     default = default or src / GGUF_DIR / "adapter.gguf"
     path = gguf_output(out, default, force, modelfile=False)
     _check_writable(path)
+    from slipstream.peft.matching import check_keys
+
+    check_keys(acfg, cfg_path)
     rank = int(acfg["r"])
     alpha = float(acfg.get("lora_alpha", rank))
     if acfg.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # llama.cpp scales by alpha / r
     weights = load_file(str(src / "adapter_model.safetensors"))
+    _fold_scales(weights, acfg, alpha)
     pairs = _pairs(weights, cfg, arch)
 
     def write(tmp: str) -> None:
@@ -94,6 +99,21 @@ def _base_config(base: str) -> Any:
 
         hf = read_config(_resolve_folder(Path(base)))
     return family_for(hf.get("model_type")).config_from_hf(hf)
+
+
+def _fold_scales(weights: dict, acfg: dict, alpha: float) -> None:
+    """llama.cpp scales every matrix by one alpha over its own rank; peft by each target's
+    rank_pattern / alpha_pattern (and rsLoRA's sqrt): the ratio goes into that target's B."""
+    from slipstream.peft.matching import rank_alpha
+
+    for key, t in weights.items():
+        if ".lora_B." not in key:
+            continue
+        r, a = rank_alpha(acfg, key.removeprefix(PEFT_PREFIX).split(".lora_")[0])
+        scale = a / math.sqrt(r) if acfg.get("use_rslora") else a / r
+        factor = scale * t.shape[1] / alpha
+        if not math.isclose(factor, 1.0, rel_tol=1e-12):
+            weights[key] = t * factor
 
 
 def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:

@@ -26,13 +26,22 @@ from slipstream.ops.moe import moe, router_stats
 
 class Router(nn.Module):
     """Router logits: x @ weight.T (+ bias). A plain module, not an nn.Linear, so that
-    `apply_lora(targets="all-linear")` leaves routers alone (PEFT does the same)."""
+    `apply_lora(targets="all-linear")` leaves routers alone; an adapter's LoRA on its weight
+    (peft's `target_parameters` `mlp.gate.weight`) wraps it like a linear layer."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return F.linear(x_TD, self.weight, self.bias)

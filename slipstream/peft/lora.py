@@ -19,17 +19,17 @@ factors (as PEFT saves adapters it autocast; they load in PEFT at either adapter
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from slipstream.models.moe_block import moe_blocks
+from slipstream.models.moe_block import Router, moe_blocks
 from slipstream.peft.dora import DoRALinear
-from slipstream.peft.lora_experts import merge_expert_lora, wrap_experts
+from slipstream.peft.lora_experts import experts_paths, merge_expert_lora, wrap_experts
 from slipstream.peft.lora_linear import LoRALinear, lora_modules
-from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, peft_path
+from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, parameter_targets
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_DEFAULT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's names
@@ -68,6 +68,20 @@ def linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
     return found
 
 
+def is_router_lora(module: nn.Module) -> bool:
+    return isinstance(module, LoRALinear) and isinstance(module.base_layer, Router)
+
+
+@dataclass
+class LoraTargets:
+    """Where LoRA goes and with which (rank, alpha): our module path of each linear, and of
+    each MoE experts module with its targeted parameters (`gate_up_proj`, `down_proj`)."""
+
+    linears: dict[str, tuple[int, float]] = field(default_factory=dict)
+    experts: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
+    routers: dict[str, tuple[int, float]] = field(default_factory=dict)  # MoE routers' weight
+
+
 def apply_lora(
     model: nn.Module,
     rank: int = 16,
@@ -90,12 +104,15 @@ def apply_lora(
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
     has_experts = bool(moe_blocks(model))
+    present = linear_names(model)
     if targets == "all-linear":
-        linear, experts = "all-linear", set(EXPERT_TARGET_OF.values()) if has_experts else set()
+        linear, experts = (
+            present - {"lm_head"},
+            set(EXPERT_TARGET_OF.values()) if has_experts else set(),
+        )
     else:
         wanted = {targets} if isinstance(targets, str) else set(targets)
         expert_names = set(EXPERT_TARGET_OF) if has_experts else set()
-        present = linear_names(model)
         linear = wanted & present
         experts = {EXPERT_TARGET_OF[n] for n in wanted & expert_names}
         missing = sorted(wanted - present - expert_names)
@@ -106,62 +123,61 @@ def apply_lora(
                 f"linear module names present: {sorted(present)}{also}"
             )
     check_hyperparameters(rank, alpha, dropout, "lora", experts=bool(experts))
-    return wrap_lora(model, rank, alpha, dropout, linear, sorted(experts), use_rslora, use_dora)
+    chosen = LoraTargets(
+        {name: (rank, alpha) for name, _, attr, _ in linear_children(model) if attr in linear},
+        {path: {t: (rank, alpha) for t in experts} for path in experts_paths(model)}
+        if experts
+        else {},
+    )
+    return wrap_lora(model, chosen, rank, alpha, dropout, use_rslora, use_dora)
 
 
 def linear_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, *_ in linear_children(model)}
 
 
-def _regex_matches(model: nn.Module, linears: list, pattern: re.Pattern) -> list:
-    """The `linear_children` entries whose transformers path `pattern` full-matches (peft's
-    rule for a regex `target_modules`), or a one-line error."""
-    layout = model_layout(model)
-    matched = [c for c in linears if pattern.fullmatch(peft_path(c[0], layout))]
-    if not matched:
-        example = peft_path(linears[0][0], layout) if linears else "none"
-        raise ValueError(
-            f"lora target_modules regex {pattern.pattern!r} matches no nn.Linear in the "
-            f"model (paths as transformers names them, e.g. {example!r})"
-        )
-    return matched
+def router_paths(model: nn.Module) -> list[str]:
+    """Our module path of each MoE router (a LoRA-wrapped one too), in model order."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if (isinstance(m, Router) and not n.endswith(".base_layer")) or is_router_lora(m)
+    ]
 
 
 def wrap_lora(
     model: nn.Module,
+    targets: LoraTargets,
     rank: int,
     alpha: float,
     dropout: float,
-    linear: str | set[str] | re.Pattern,
-    experts: list[str],
     use_rslora: bool,
     use_dora: bool = False,
 ) -> nn.Module:
-    """Wrap the named linears ("all-linear": all but lm_head; a regex: those whose transformers
-    path it full-matches, as peft) and expert parameters; record `model.lora_config` (PEFT's
-    names) and leave only the LoRA factors trainable."""
-    if use_dora and experts:
+    """Wrap `targets` (each at its own rank and alpha); record `model.lora_config` (PEFT's
+    names; `rank` and `alpha` are its defaults) and leave only the LoRA factors trainable."""
+    if use_dora and (targets.experts or targets.routers):
         raise ValueError(
-            f"DoRA on MoE experts {experts} is not supported (PEFT has none on parameters); "
-            "name linear layers as lora targets (e.g. q_proj, v_proj, o_proj) or drop use_dora"
+            f"DoRA on MoE experts or routers {sorted(targets.experts or targets.routers)} is "
+            "not supported (PEFT has none on parameters); name linear layers as lora targets "
+            "(e.g. q_proj, v_proj, o_proj) or drop use_dora"
         )
     wrapper = DoRALinear if use_dora else LoRALinear
-    linears = linear_children(model)
-    if linear == "all-linear":
-        linear = {name.rsplit(".", 1)[-1] for name, *_ in linears} - {"lm_head"}
-    if isinstance(linear, re.Pattern):
-        linears = _regex_matches(model, linears, linear)
-        linear = {attr for _, _, attr, _ in linears}
-    if "lm_head" in linear:
+    if any(name.rsplit(".", 1)[-1] == "lm_head" for name in targets.linears):
         # The loss, log-probs and generation read the head's weight directly (chunked
         # cross-entropy, `lm_head_weight`): factors on it would never be used or trained.
         raise ValueError(
             "LoRA on lm_head is not supported: the loss reads the head's weight directly, so "
             "its factors would never train; drop lm_head from the lora targets"
         )
-    for _, parent, attr, module in linears:
-        if attr in linear:
-            setattr(parent, attr, wrapper(module, rank, alpha, dropout, use_rslora))
+    for name, parent, attr, module in linear_children(model):
+        if name in targets.linears:
+            r, a = targets.linears[name]
+            setattr(parent, attr, wrapper(module, r, a, dropout, use_rslora))
+    for name, (r, a) in targets.routers.items():  # y = x W^T + s x A^T B^T, as for a linear
+        parent, _, attr = name.rpartition(".")
+        router = LoRALinear(model.get_submodule(name), r, a, 0.0, use_rslora)
+        setattr(model.get_submodule(parent), attr, router)
     model.requires_grad_(False)
     for module in lora_modules(model).values():  # the factors (and DoRA's magnitude)
         for name, param in module.named_parameters():
@@ -171,14 +187,18 @@ def wrap_lora(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": sorted(linear),
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in targets.linears}),
         "use_rslora": use_rslora,
         "use_dora": use_dora,
     }
-    if experts:
-        model.lora_config["target_parameters"] = wrap_experts(
-            model, experts, rank, alpha, use_rslora
-        )
+    params = []
+    if targets.experts:
+        params = wrap_experts(model, targets.experts, use_rslora)
+    if targets.routers:
+        wrapped = {name: ("weight",) for name in targets.routers}
+        params += parameter_targets(wrapped, router_paths(model), model_layout(model))
+    if params:
+        model.lora_config["target_parameters"] = params
     return model
 
 

@@ -28,15 +28,14 @@ Shapes: R routed rows, E experts, r rank, I/O in/out features of one expert proj
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from slipstream.models.moe_block import MoEBlock, moe_blocks
+from slipstream.models.moe_block import moe_blocks
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.peft.lora_linear import lora_factor_dtype, lora_modules
-from slipstream.peft.names import EXPERT_TARGETS, expert_keys, target_parameters
+from slipstream.peft.names import EXPERT_TARGETS, expert_keys, model_layout, parameter_targets
 
 
 class LoRAExperts(nn.Module):
@@ -45,19 +44,22 @@ class LoRAExperts(nn.Module):
     def __init__(
         self,
         base_layer: nn.Module,
-        targets: Iterable[str],
-        rank: int,
-        alpha: float,
+        targets: dict[str, tuple[int, float]],
         use_rslora: bool = False,
     ) -> None:
+        """targets: parameter name -> (rank, alpha), each its own (peft's rank_pattern)."""
         super().__init__()
         self.base_layer = base_layer
-        self.targets = tuple(t for t in EXPERT_TARGETS if t in set(targets))
-        self.rank, self.alpha = rank, alpha
-        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.targets = tuple(t for t in EXPERT_TARGETS if t in targets)
+        self.rank = {t: targets[t][0] for t in self.targets}
+        self.alpha = {t: targets[t][1] for t in self.targets}
+        self.scaling = {
+            t: a / math.sqrt(self.rank[t]) if use_rslora else a / self.rank[t]
+            for t, a in self.alpha.items()
+        }
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         for name in self.targets:
-            w = getattr(base_layer, name)
+            w, rank = getattr(base_layer, name), self.rank[name]
             E, (in_f, out_f) = w.shape[0], self.in_out(name)
             kw = {"device": w.device, "dtype": lora_factor_dtype(w)}
             self.lora_A[name] = nn.Parameter(torch.empty(E, rank, in_f, **kw))
@@ -79,7 +81,7 @@ class LoRAExperts(nn.Module):
         A_EIr = self.lora_A[name].to(x_RI.dtype).transpose(1, 2)
         B_ErO = self.lora_B[name].to(x_RI.dtype).transpose(1, 2)
         h_Rr = grouped_mm(x_RI, A_EIr, plan.offsets_E)
-        return grouped_mm(h_Rr, B_ErO, plan.offsets_E) * self.scaling
+        return grouped_mm(h_Rr, B_ErO, plan.offsets_E) * self.scaling[name]
 
     def forward(self, x_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         base = self.base_layer
@@ -94,7 +96,7 @@ class LoRAExperts(nn.Module):
         delta_EOI = torch.bmm(self.lora_B[name].float(), self.lora_A[name].float())
         if self.base_layer.is_transposed:
             delta_EOI = delta_EOI.transpose(1, 2)
-        return (w.float() + self.scaling * delta_EOI).to(w.dtype)
+        return (w.float() + self.scaling[name] * delta_EOI).to(w.dtype)
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, rank={self.rank}, alpha={self.alpha}"
@@ -105,20 +107,28 @@ def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts)}
 
 
+def experts_paths(model: nn.Module) -> list[str]:
+    """Our module path of each MoE block's experts, in model order."""
+    experts = {id(block.experts) for block in moe_blocks(model)}
+    return [name for name, m in model.named_modules() if id(m) in experts]
+
+
 def wrap_experts(
-    model: nn.Module, targets: Iterable[str], rank: int, alpha: float, use_rslora: bool = False
+    model: nn.Module, targets: dict[str, dict[str, tuple[int, float]]], use_rslora: bool = False
 ) -> list[str]:
-    """Put LoRA on `targets` of every MoE block's experts, trainable; returns PEFT's
-    `target_parameters` names. `lora.apply_lora` calls this (and checks its arguments)."""
-    targets = set(targets)
-    assert targets and targets <= set(EXPERT_TARGETS), targets
-    blocks: list[MoEBlock] = moe_blocks(model)
-    assert blocks and not expert_lora_modules(model)
-    for block in blocks:
-        block.experts = LoRAExperts(block.experts, targets, rank, alpha, use_rslora)
-        block.experts.lora_A.requires_grad_(True)
-        block.experts.lora_B.requires_grad_(True)
-    return target_parameters(targets)
+    """Put LoRA on the experts at each path of `targets` (parameter -> (rank, alpha)),
+    trainable; returns PEFT's `target_parameters` names. `lora.wrap_lora` calls this (its
+    callers check the arguments)."""
+    paths = experts_paths(model)
+    assert targets and set(targets) <= set(paths) and not expert_lora_modules(model), targets
+    for path, params in targets.items():
+        assert params and set(params) <= set(EXPERT_TARGETS), params
+        parent, _, attr = path.rpartition(".")
+        wrapped = LoRAExperts(model.get_submodule(path), params, use_rslora)
+        setattr(model.get_submodule(parent), attr, wrapped)
+        wrapped.lora_A.requires_grad_(True)
+        wrapped.lora_B.requires_grad_(True)
+    return parameter_targets({p: tuple(t) for p, t in targets.items()}, paths, model_layout(model))
 
 
 def expert_lora_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, str]]:

@@ -61,17 +61,22 @@ def expert_keys(path: str, targets: tuple[str, ...]) -> dict[str, tuple[str, str
     return keys
 
 
-def target_parameters(targets: Iterable[str]) -> list[str]:
-    """PEFT's `target_parameters` for LoRA on these expert parameters."""
-    return [f"mlp.experts.{t}" for t in EXPERT_TARGETS if t in set(targets)]
-
-
-def expert_targets(params: list[str]) -> list[str] | None:
-    """The expert parameters `target_parameters` names; None when it names anything else."""
-    names = [p.rpartition(".")[2] for p in params]
-    if any(not p.endswith(f"mlp.experts.{n}") for p, n in zip(params, names, strict=True)):
-        return None
-    return sorted(set(names)) if set(names) <= set(EXPERT_TARGETS) else None
+def parameter_targets(
+    wrapped: dict[str, tuple[str, ...]], paths: list[str], layout: Layout
+) -> list[str]:
+    """PEFT's `target_parameters` for LoRA on `wrapped` (module path -> parameters) of the
+    modules at `paths` (all of the model's of that kind, e.g. every MoE experts module):
+    `<parent>.<module>.<parameter>` (`mlp.experts.gate_up_proj`) where every one has it, else
+    the full path of each that has it."""
+    names = []
+    params = [p for p in (*EXPERT_TARGETS, "weight") if any(p in w for w in wrapped.values())]
+    for t in params:
+        having = [p for p in paths if t in wrapped.get(p, ())]
+        if having == paths:
+            names.append(".".join([*paths[0].split(".")[-2:], t]))
+        else:
+            names += [f"{peft_path(p, layout)}.{t}" for p in having]
+    return names
 
 
 def target_modules(
