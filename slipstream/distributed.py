@@ -6,15 +6,27 @@ Modes (`train.parallel`, see `resolve_mode`) and why the step's gradient equals 
 process's with the same global batch: docs/distributed.md. Collectives per optimizer step:
 one (the step's weight) plus the gradient reduction; a logged step adds one. Elsewhere:
 tokenizing in shards (data/row_shards.py); checkpoint shards under FSDP2 (train/fsdp_shards.py).
+
+Teardown, in this order: DDP's reducers let go of the group, garbage is collected, the group
+is destroyed, the last references to it are dropped here. `close` does it when a run ends in
+`finish_run` (completed, or stopped by a signal), every rank together; on any other end the
+trainer releases the wrappers at once and `teardown` destroys the group at interpreter exit.
+A reducer is the one holder of the group whose Python destructor keeps the GIL. Left for last
+(a finished run's wrapper freed after `destroy_process_group`, as before issue 25), it runs
+~ProcessGroupGloo, which joins gloo's worker threads while holding the GIL; a worker still
+freeing a finished collective's tensors waits for the GIL, and the rank hangs for ever.
+Dropped from Python, the group's own holder releases the GIL before that join.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -26,6 +38,7 @@ from torch import nn
 MODES = ("auto", "none", "ddp", "fsdp")
 
 _OBJECT_GROUP: Any = None  # a gloo group for Python objects (NCCL would stage them on the GPU)
+_WRAPPERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # DDP wrappers: released by teardown
 
 
 def world_size() -> int:
@@ -66,23 +79,53 @@ def init(device: torch.device, *, timeout_s: float) -> torch.device:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         # A rank leaving on an error (exit status 2) must still tear its group down: a live
         # group at interpreter exit aborts the process (SIGABRT) and hides the exit status.
-        atexit.register(_destroy)
+        atexit.register(teardown)
     _OBJECT_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else None
     return device
 
 
 def close() -> None:
-    """Leave the process group (every rank, at the end of a run)."""
+    """Leave the process group at the normal end of a run (every rank): wait for every rank
+    and for all work already queued (gloo's barrier waits for it; CUDA: the device too),
+    then `teardown`."""
     if dist.is_initialized():
         dist.barrier()
-    _destroy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    teardown()
 
 
-def _destroy() -> None:
+def teardown() -> None:
+    """Release what holds the process group, then destroy it (the order: module docstring).
+    No collective: at interpreter exit (registered by `init`) it ends a run that failed, its
+    peers perhaps gone. Nothing to do without a group."""
     global _OBJECT_GROUP
+    release_wrappers()
     if dist.is_initialized():
+        # Held here so that the group's last reference is dropped below, from Python (its
+        # holder releases the GIL), whatever else the collection below frees.
+        groups = [dist.group.WORLD, _OBJECT_GROUP]
         dist.destroy_process_group()
+        gc.collect()
+        del groups
     _OBJECT_GROUP = None
+
+
+def release_wrappers() -> None:
+    """Make every DDP wrapper of this process let go of the group (`release_wrapper`; also
+    one a traceback still holds), then collect garbage: cycles holding a reducer or pending
+    work are freed while the group still lives."""
+    for ddp in list(_WRAPPERS):
+        release_wrapper(ddp)
+    _WRAPPERS.clear()
+    gc.collect()
+
+
+def release_wrapper(ddp: nn.Module) -> None:
+    """Let a DDP wrapper go of the group: its reducer (and the logger that holds the reducer)
+    is freed now, and its reference to the group dropped. It keeps its module."""
+    for name in ("logger", "reducer", "process_group"):
+        ddp.__dict__.pop(name, None)
 
 
 def barrier() -> None:
@@ -156,7 +199,9 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module |
         if "init_sync" in params:
             kwargs["init_sync"] = False
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(_CallWith(model), device_ids=ids, **kwargs)
+        ddp = DistributedDataParallel(_CallWith(model), device_ids=ids, **kwargs)
+        _WRAPPERS.add(ddp)
+        return ddp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     try:

@@ -8,20 +8,16 @@ job quickly with rank 1's message.
 """
 
 import json
-import os
 import pickle
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from helpers.planted import Planted
 from helpers.runs import chat_rows, losses
+from helpers.torchrun import check, free_port, run_torchrun, train_job
 from safetensors.torch import load_file
 
 from slipstream.config import config_from_dict
@@ -44,31 +40,6 @@ def lora_config(tiny_run, out, **train):  # noqa: F811
         },
         "output_dir": str(out),
     }  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(raw: dict, tmp: Path, *overrides: str, timeout: float = 120):
-    """`python -m torch.distributed.run --nproc_per_node 2 -m slipstream train` on `raw`."""
-    config = tmp / f"run-{time.monotonic_ns()}.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "slipstream", "train", str(config), *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def check(result) -> None:
-    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -108,7 +79,7 @@ def runs(tiny_run, tmp_path_factory):  # noqa: F811
     train(config_from_dict(lora_config(tiny_run, tmp / "single", grad_accum=4)))
     for mode in ("ddp", "fsdp"):
         raw = lora_config(tiny_run, tmp / mode, grad_accum=2, parallel=mode)
-        check(torchrun(raw, tmp))
+        check(train_job(raw, tmp))
     return tmp
 
 
@@ -136,7 +107,7 @@ def test_fsdp_checkpoint_is_sharded_and_resumes(runs, tiny_run, tmp_path):  # no
     assert state["world_size"] == 2 and len(state["rng"]) == 2 and "model" not in state
     out = tmp_path / "resumed"
     raw = {**lora_config(tiny_run, out, grad_accum=2, parallel="fsdp"), "resume": str(ckpt)}
-    check(torchrun(raw, tmp_path))
+    check(train_job(raw, tmp_path))
     assert_same_run(runs / "fsdp", out, steps=range(4, STEPS + 1))
 
 
@@ -152,12 +123,13 @@ def test_fsdp_resume_refuses_a_planted_metadata_pickle(runs, tiny_run, tmp_path)
     write_manifest(ckpt, 3)
     out = tmp_path / "resumed"
     raw = {**lora_config(tiny_run, out, grad_accum=2, parallel="fsdp"), "resume": str(ckpt)}
-    result = torchrun(raw, tmp_path)
+    result = train_job(raw, tmp_path)
     errors = [x for x in result.stderr.splitlines() if "slipstream: error:" in x]
     assert result.returncode != 0 and len(errors) == 2, result.stderr[-4000:]  # each rank
     assert f"refused {file}: " in errors[0] and "it was not run" in errors[0], errors
-    ranks = result.stderr.split("torch/distributed/elastic")[0]  # the launcher's own report
-    assert "Traceback" not in ranks and "exitcode  : 2" in result.stderr, result.stderr[-4000:]
+    for streams in result.rank_logs().values():
+        assert "Traceback" not in streams["stderr"], result.report()
+    assert "exitcode  : 2" in result.stderr, result.report()
     assert not marker.exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -177,7 +149,7 @@ def test_full_finetune_defaults_to_fsdp_and_exports_the_full_model(tiny_run, tmp
         if out == single:
             train(config_from_dict(raw))
         else:
-            result = torchrun(raw, tmp_path)
+            result = train_job(raw, tmp_path)
             check(result)
     assert "fsdp" in result.stderr  # the resolved mode is announced
     la, lb = losses(single), losses(multi)
@@ -199,7 +171,7 @@ def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):
     raw = lora_config(tiny_run, tmp_path / "out", grad_accum=2)
     raw["data"] = {"train": str(data), "strict": True}
     start = time.monotonic()
-    result = torchrun(raw, tmp_path, timeout=90)
+    result = train_job(raw, tmp_path, timeout=90)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert "rank 1 (train rows 12-24): data row 24" in result.stderr, result.stderr[-3000:]
@@ -228,11 +200,8 @@ def test_fsdp_hands_every_layer_the_callers_seqinfo(monkeypatch):
     from slipstream.models import family_for
     from slipstream.ops.packing import SeqInfo
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     hf = make_hf_model().config
     family = family_for("llama", "test")
     model = family.build(family.config_from_hf({**hf.to_dict(), "model_type": "llama"}))
@@ -257,13 +226,8 @@ def test_fsdp_generates_on_gathered_weights_with_unequal_forwards(tiny_run, tmp_
     on exit the weights are sharded again (and the layers after a later forward), and a
     training forward and backward in between gives the unsharded loss and gradient."""
     model_dir, _ = tiny_run
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(ROOT / "tests" / "helpers" / "fsdp_generation.py"), str(model_dir), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    check(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120))
+    script = str(ROOT / "tests" / "helpers" / "fsdp_generation.py")
+    check(run_torchrun([script, str(model_dir), str(tmp_path)], tmp_path, timeout=120))
     for rank, steps in ((0, 3), (1, 19)):
         r = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert [len(t) for t in r["want_tokens"][0]] == [steps, steps]

@@ -173,11 +173,11 @@ def test_two_ranks_match_one_process(tiny, single, tmp_path, mode):
     each rank replying to its share of the eval prompts, and so are the replies to
     train.sample_prompts. Under FSDP2 the ranks decode different numbers of tokens on
     weights gathered once per rollout and eval (distributed.gathered_for_generation)."""
-    from test_distributed import check, torchrun
+    from helpers.torchrun import check, train_job
 
     raw = two_rank_config(tiny, tmp_path / mode)
     raw["train"] = {**raw["train"], "grad_accum": 1, "parallel": mode, "dist_timeout_s": 60}
-    check(torchrun(raw, tmp_path, timeout=240))
+    check(train_job(raw, tmp_path, timeout=240))
     assert_same_grpo_run(tmp_path / mode, single, ("loss", "reward", "reward_std",
                                                   "completions/mean_length"))  # fmt: skip
     assert_same_adapter(tmp_path / mode, single, atol=2e-5, rtol=1e-4)
@@ -232,12 +232,12 @@ def test_fsdp_lora_from_an_adapter_with_kl_matches_one_process(tiny, tmp_path):
 def single_and_fsdp(config, tmp_path) -> None:
     """`config(out)` run in one process and on 2 FSDP2 ranks (grad_accum 1): the same losses,
     KL and the rest of `assert_same_grpo_run`."""
-    from test_distributed import check, torchrun
+    from helpers.torchrun import check, train_job
 
     train(config_from_dict(config(tmp_path / "single")))
     raw = config(tmp_path / "fsdp")
     raw["train"].update(grad_accum=1, parallel="fsdp", dist_timeout_s=60)
-    check(torchrun(raw, tmp_path, timeout=240))
+    check(train_job(raw, tmp_path, timeout=240))
     assert_same_grpo_run(tmp_path / "fsdp", tmp_path / "single", ("loss", "kl"))
 
 

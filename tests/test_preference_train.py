@@ -193,7 +193,8 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, mode):
     eval and adapter. `start` writes the frozen starting adapter into the parameters (under
     FSDP2 into each rank's shards) for the reference forward; `base` swaps each adapter
     module for its base layer."""
-    from test_distributed import adapter, check, torchrun
+    from helpers.torchrun import check, train_job
+    from test_distributed import adapter
 
     model_dir, pairs, start, sft_data = tiny
     if reference == "start":
@@ -210,7 +211,7 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, mode):
 
     train(config_from_dict(config(tmp_path / "single", grad_accum=2)))
     raw = config(tmp_path / mode, grad_accum=1, parallel=mode, dist_timeout_s=60)
-    check(torchrun(raw, tmp_path, timeout=240))
+    check(train_job(raw, tmp_path, timeout=240))
     want, got = records(tmp_path / "single"), records(tmp_path / mode)
     assert [sorted(r) for r in got] == [sorted(r) for r in want] and len(got) >= 5
     for rw, rg in zip(want, got, strict=True):

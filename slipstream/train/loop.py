@@ -21,6 +21,7 @@ evaluation once at its end.
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +40,18 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     """Run the fine-tuning job `cfg` describes; returns the run summary (also written)."""
     # One run per output dir: its lock is held until this returns or raises (train/lock.py).
     with OutputDirLock(cfg.output_dir):
-        return run_steps(prepare_run(cfg, model=model, tokenizer=tokenizer))
+        try:
+            return run_steps(prepare_run(cfg, model=model, tokenizer=tokenizer))
+        except BaseException as e:
+            # Every end but a completed one (that one leaves the group with every rank, in
+            # finish_run): an error, a signal, an exception on this rank. What the run made
+            # (model, wrappers, optimizer, objective) goes now, not with the traceback, which
+            # would keep it to interpreter exit; the traceback keeps its lines. The group
+            # itself goes at exit (distributed.init), once the error has been printed: its
+            # end brings the other ranks down, and torchrun may then stop this one.
+            traceback.clear_frames(e.__traceback__)
+            dist.release_wrappers()
+            raise
 
 
 def run_steps(run: Run) -> dict[str, Any]:
