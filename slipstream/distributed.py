@@ -85,9 +85,9 @@ def init(device: torch.device, *, timeout_s: float) -> torch.device:
 
 
 def close() -> None:
-    """Leave the process group at the normal end of a run (every rank): wait for every rank
-    and for all work already queued (gloo's barrier waits for it; CUDA: the device too),
-    then `teardown`."""
+    """Leave the process group at the end of a run that reached `finish_run` (every rank):
+    wait for every rank and for all work already queued (gloo's barrier waits for it; CUDA:
+    the device too), then `teardown`."""
     if dist.is_initialized():
         dist.barrier()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -122,8 +122,8 @@ def release_wrappers() -> None:
 
 
 def release_wrapper(ddp: nn.Module) -> None:
-    """Let a DDP wrapper go of the group: its reducer (and the logger that holds the reducer)
-    is freed now, and its reference to the group dropped. It keeps its module."""
+    """Make a DDP wrapper let go of the group: its reducer (and the logger that holds the
+    reducer) is freed now, and its reference to the group dropped. It keeps its module."""
     for name in ("logger", "reducer", "process_group"):
         ddp.__dict__.pop(name, None)
 
