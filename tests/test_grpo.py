@@ -184,8 +184,10 @@ def test_grad_accum_equals_one_batch(models, loss_type):
         out.append((loss, grads(model)))
     assert sum(objective.weight(b) for b in parts) == objective.weight(whole[0])
     torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-5)
+    # atol 1e-5: the whole window and its parts may take different CPU attention paths (one
+    # dense-mask call or one call per sequence, by their lengths): float32 summation order.
     for name, g in out[0][1].items():
-        torch.testing.assert_close(out[1][1][name], g, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(out[1][1][name], g, atol=1e-5, rtol=1e-4)
 
 
 def test_training_part_has_no_host_sync(models):
