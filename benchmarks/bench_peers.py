@@ -289,8 +289,10 @@ def worker_sft_trainer(args: argparse.Namespace) -> dict:
             last[0] = now
 
     trainer.add_callback(Clock())
+    # The mask as the trainer prepared it (packed or not): its labelled tokens, vs ours.
+    labelled = sum(sum(x != -100 for x in row) for row in trainer.train_dataset["labels"])
     trainer.train()
-    return {"steps": steps[args.warmup :]}
+    return {"steps": steps[args.warmup :], "labelled_in_dataset": labelled}
 
 
 def check_masks_unsloth(args: argparse.Namespace) -> dict:
@@ -341,6 +343,7 @@ def run_worker(python: str, tool: str, dtype: str, info: dict, args) -> dict:
         "tokens_per_step": tokens / len(steps),
         "labelled_per_step": None if None in labelled else sum(labelled) / len(steps),
         "peak_rss_gb": result["peak_rss_gb"], "load_before": load,
+        "labelled_in_dataset": result.get("labelled_in_dataset"),
         "load_after": os.getloadavg()[0], "process_s": wall, "steps": steps,
     }  # fmt: skip
 
@@ -460,6 +463,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             said = f"{cpu_rate:.1f} tok/CPU-s, {rate:.1f} tok/s" if rate else res.get("error")
             print(f"round {r} {tool} {dtype}: {said}", file=sys.stderr)
     rows = summarise(results, info, peaks)
+    seen = {r["tool"]: r["labelled_in_dataset"] for r in results if r.get("labelled_in_dataset")}
+    for tool, n in seen.items():  # our labels, as each trainer's prepared dataset holds them
+        mark = "equal" if n == info["labelled"] else "DIFFERENT"
+        print(f"{tool}: {n} labelled tokens in its dataset vs ours {info['labelled']}: {mark}")
+    info["labelled_by_tool"] = seen
     sys.path.insert(0, str(HERE.parent))
     import common
 
