@@ -6,8 +6,8 @@ bf16 and a bf16 step is slower than float32, with one it is faster. Measured, on
 (1024 x 576) @ (576 x 1536), by CPU time: an AMD EPYC with AVX512-BF16 and no AMX, float32
 88 GFLOP/s through F.linear (MKL, without AVX-512 on AMD) and 215 through oneDNN
 (ops/onednn.py), bf16 452 (2.1x the best float32); an Intel Xeon with AMX, F.linear float32
-164 vs bf16 1,235 (7.5x). A LoRA step of SmolLM2-135M ran 2.4x faster in bf16 here
-(docs/benchmarks.md, bench_peers).
+164 vs bf16 1,235 (7.5x). A LoRA step of SmolLM2-135M ran 1.44x faster in bf16 than in
+float32 here (docs/benchmarks.md, bench_peers).
 The units are detected (torch's own CPU probe where the installed torch has it, else the
 kernel's /proc/cpuinfo flags), never guessed from a model name. `SLIPSTREAM_CPU_BF16=0|1`
 overrides the detection (the test suite pins it to 0: its tolerances are float32's).
