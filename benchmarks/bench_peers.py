@@ -59,11 +59,14 @@ HERE = Path(__file__).resolve()
 COLUMNS = ["tool and setting", "dtype", "tokens/s", "vs slipstream", "wall tokens/s",
            "wall vs slipstream", "peak RSS GB", "MFU", "tokens/step", "labelled/step",
            "rounds"]  # fmt: skip
-TOOLS = ("slipstream", "trl", "unsloth")
+TOOLS = ("slipstream", "trl", "unsloth", "unsloth-padded")
 SETTINGS = {
     "slipstream": "slipstream (packed)",
     "trl": "TRL SFTTrainer + PEFT, packing + padding-free",
     "unsloth": "Unsloth CPU backend, batch 1 x grad-accum (unpadded)",
+    # Equal micro-batch tokens: the grad-accum's conversations in one padded batch (Unsloth
+    # turns packing off on CPU, so this is its default there).
+    "unsloth-padded": "Unsloth CPU backend, one padded batch of grad-accum rows",
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKENS_PER_BATCH = 1024
@@ -216,7 +219,8 @@ def worker_slipstream(args: argparse.Namespace) -> dict:
 
 def worker_sft_trainer(args: argparse.Namespace) -> dict:
     """TRL's SFTTrainer, or the same under Unsloth's CPU backend (`args.tool == "unsloth"`)."""
-    unsloth = args.tool == "unsloth"
+    unsloth = args.tool.startswith("unsloth")
+    padded = args.tool == "unsloth-padded"
     if unsloth:
         import unsloth  # noqa: F401  (first: it patches transformers and TRL)
         from unsloth import FastLanguageModel
@@ -252,8 +256,8 @@ def worker_sft_trainer(args: argparse.Namespace) -> dict:
     packed = dict(packing=True, packing_strategy="bfd", padding_free=True)
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix=f"bench_peers_{args.tool}_"),
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=args.grad_accum if unsloth else 1,
+        per_device_train_batch_size=args.grad_accum if padded else 1,
+        gradient_accumulation_steps=args.grad_accum if unsloth and not padded else 1,
         max_steps=args.warmup + args.steps, max_length=TOKENS_PER_BATCH,
         learning_rate=2e-4, bf16=args.dtype == "bfloat16", fp16=False, use_cpu=True,
         report_to="none", logging_steps=10_000, save_strategy="no", seed=0,
@@ -426,7 +430,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.worker:
         args.tool = args.worker
         work = {"slipstream": worker_slipstream, "trl": worker_sft_trainer,
-                "unsloth": worker_sft_trainer, "unsloth-masks": check_masks_unsloth}  # fmt: skip
+                "unsloth": worker_sft_trainer, "unsloth-padded": worker_sft_trainer,
+                "unsloth-masks": check_masks_unsloth}  # fmt: skip
         result = work[args.worker](args)
         result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         Path(args.result).write_text(json.dumps(result))
@@ -439,12 +444,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     info = prepare(work, args.rows, args.quick)
     peaks = {d: matmul_peak(d) for d in dtypes}
     pythons = {"slipstream": sys.executable, "trl": sys.executable,
-               "unsloth": args.unsloth_python}  # fmt: skip
-    if "unsloth" in tools and not Path(args.unsloth_python).is_file():
+               "unsloth": args.unsloth_python, "unsloth-padded": args.unsloth_python}  # fmt: skip
+    if not Path(args.unsloth_python).is_file() and any(t.startswith("unsloth") for t in tools):
         print(f"bench_peers: no {args.unsloth_python}: Unsloth rows skipped", file=sys.stderr)
-        tools.remove("unsloth")
+        tools = [t for t in tools if not t.startswith("unsloth")]
     masks = None
-    if "unsloth" in tools:
+    if any(t.startswith("unsloth") for t in tools):
         out = Path(tempfile.mkdtemp()) / "masks.json"
         subprocess.run([args.unsloth_python, str(HERE), "--worker", "unsloth-masks",
                         "--model", info["model"], "--data", info["data"], "--result", str(out)],
