@@ -2,7 +2,8 @@
 
 What the trainer calls: `load_rows` / `load_split` (load.py: local files or a hub id, errors
 naming the file and line), `tokenize_rows` (labels.py: the chat template, assistant-only
-targets, a `DataReport` of what was skipped, truncated or dropped), `pack_examples`,
+targets), `encode_rows` (rows.py: the one row loop every objective reads its rows through,
+its `DataReport` of what was skipped, truncated or dropped, `row_columns`), `pack_examples`,
 `packing_efficiency` and `epoch_order` (packing.py: best-fit decreasing, seeded order),
 `collate` -> `Batch` (collate.py: shifted labels, one non-blocking copy). Row formats,
 auto-detected from the columns: formats.py. Demo data: `chitchat_rows` (chitchat.py).
@@ -10,10 +11,11 @@ auto-detected from the columns: formats.py. Demo data: `chitchat_rows` (chitchat
 
 from slipstream.data.chitchat import chitchat_rows
 from slipstream.data.collate import IGNORE_INDEX, Batch, collate
-from slipstream.data.formats import FORMATS, RowError, detect_format, to_messages
-from slipstream.data.labels import DataReport, Example, encode_chat, tokenize_rows
+from slipstream.data.formats import FORMATS, detect_format, to_messages
+from slipstream.data.labels import Example, encode_chat, tokenize_rows
 from slipstream.data.load import load_rows, load_split, rows_from_list
 from slipstream.data.packing import epoch_order, pack_examples, packing_efficiency
+from slipstream.data.rows import DataReport, RowError, encode_rows, row_columns
 
 __all__ = [
     "FORMATS",
@@ -25,12 +27,14 @@ __all__ = [
     "chitchat_rows",
     "collate",
     "detect_format",
+    "encode_rows",
     "encode_chat",
     "epoch_order",
     "load_rows",
     "load_split",
     "pack_examples",
     "packing_efficiency",
+    "row_columns",
     "rows_from_list",
     "to_messages",
     "tokenize_rows",

@@ -19,13 +19,16 @@ that take only strings (SmolLM2, Llama 3.x, Qwen2.5, Phi-3) would print the list
 Qwen3's drops it, so the joined string goes to the template. An image part skips the row
 (`image_part`) until vision-language models are trained.
 
-A malformed row raises `RowError(reason, detail)`; the tokenizer counts those by `reason`.
+A malformed row raises `RowError(reason, detail)` (data/rows.py); the row loop counts those by
+`reason`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from slipstream.data.rows import RowError
 
 FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca", "text")
 
@@ -48,15 +51,6 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-
-
-class RowError(Exception):
-    """A malformed row: `reason` is a short counter key, `detail` says what is wrong."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 def detect_format(columns: Iterable[str], override: str = "auto") -> str:

@@ -15,14 +15,13 @@ differently degrades by a token instead of shifting every later label.
 
 from __future__ import annotations
 
-import json
 import os
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from slipstream.data.formats import RowError, detect_format, row_format, to_messages
+from slipstream.data.formats import detect_format, row_format, to_messages
+from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns, unwrap_row
 
 PARALLEL_MIN_ROWS = 20_000  # below this, process start-up costs more than it saves
 
@@ -36,52 +35,6 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-@dataclass
-class DataReport:
-    """What tokenization did with every row; `summary()` is the one line a run prints."""
-
-    rows: int = 0
-    kept: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    truncated: int = 0
-    dropped: int = 0
-    tokens: int = 0
-    target_tokens: int = 0
-    first_skip: str = ""  # the first skipped row's reason, so the user can find it
-    format: str = ""  # the row format read (detected or given)
-    dropped_lengths: Counter = field(default_factory=Counter)  # tokens -> examples dropped
-    formats: Counter = field(default_factory=Counter)  # format -> rows read in it (auto)
-
-    def format_text(self) -> str:
-        """The format read, or each format's row count when rows came in several."""
-        if len(self.formats) > 1:
-            return ", ".join(f"{k} {v} rows" for k, v in self.formats.most_common())
-        return next(iter(self.formats), self.format)
-
-    def summary(self) -> str:
-        skipped = sum(self.skipped.values())
-        why = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items()))
-        share = 100.0 * self.target_tokens / max(self.tokens, 1)
-        fmt = f" ({self.format_text()})" if self.format_text() else ""
-        line = f"data{fmt}: {self.rows} rows -> {self.kept} examples, {self.tokens} tokens "
-        line += f"({share:.0f}% targets); skipped {skipped}"
-        line += f" ({why}; first: {self.first_skip})" if skipped else ""
-        return line + f"; truncated {self.truncated}; dropped {self.dropped} over the length limit"
-
-    def warning(self) -> str | None:
-        """A line of its own when more than a quarter of the rows were skipped or dropped."""
-        skipped, lost = sum(self.skipped.values()), sum(self.skipped.values()) + self.dropped
-        if lost * 4 <= self.rows:
-            return None
-        why = [f"{k} {v}" for k, v in self.skipped.most_common()]
-        why += [f"over the length limit {self.dropped}"] if self.dropped else []
-        first = f"; first: {self.first_skip}" if skipped else ""
-        return (
-            f"{lost} of {self.rows} rows ({100 * lost / self.rows:.0f}%) are not trained on "
-            f"({', '.join(why)}{first})"
-        )
 
 
 def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -151,10 +104,9 @@ def _encode_row(
     overlong: str,
     auto: bool = False,
 ) -> tuple[Example | None, str, bool, str]:
-    """-> (example or None, status "ok" | skip reason | "dropped", truncated?, the row's
-    format: its own with `auto`, else `fmt`)."""
-    if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
-        row = json.loads(row["_json"])
+    """-> (example or None, status "ok" | "reason: detail" | "dropped: tokens", truncated?,
+    the row's format: its own with `auto`, else `fmt`). Statuses, not RowErrors, so that
+    the results of `datasets.map` processes come back as plain columns."""
     fmt = row_format(row, fmt) if auto else fmt
     ex, status, truncated = _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong)
     return ex, status, truncated, fmt
@@ -188,7 +140,7 @@ def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong):
 
 def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong, auto):
     ex, status, truncated, fmt = _encode_row(
-        row, tokenizer, fmt, train_on, max_tokens, overlong, auto
+        unwrap_row(row), tokenizer, fmt, train_on, max_tokens, overlong, auto
     )
     return {
         "ids": ex.input_ids if ex else [],
@@ -197,14 +149,6 @@ def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong, auto):
         "truncated": truncated,
         "format": fmt,
     }
-
-
-def _columns(rows: Any) -> list[str]:
-    """The dataset's columns: every key some row has (rows kept as JSON, lists of dicts)."""
-    if hasattr(rows, "column_names") and list(rows.column_names) != ["_json"]:
-        return list(rows.column_names)
-    as_dicts = (json.loads(r["_json"]) if "_json" in r and len(r) == 1 else r for r in rows)
-    return list(dict.fromkeys(key for row in as_dicts for key in row))
 
 
 def tokenize_rows(
@@ -231,11 +175,15 @@ def tokenize_rows(
     args = (tokenizer, fmt, train_on, max_tokens, overlong, format == "auto")
     if num_proc is None:
         num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
-    if num_proc > 1 and hasattr(rows, "map"):
-        results = _encode_in_processes(rows, args, num_proc)
-    else:
-        results = (_encode_row(row, *args) for row in rows)
-    examples, report = _collect(results, DataReport(rows=len(rows), format=fmt), first_row, strict)
+    report = DataReport(rows=len(rows), format=fmt)
+    parallel = num_proc > 1 and hasattr(rows, "map")
+    if parallel:
+        rows = _encode_in_processes(rows, args, num_proc)
+
+    def encode(row: Mapping[str, Any], index: int) -> Encoded:  # mapped: its process's result
+        return _outcome(report, *(_from_mapped(row) if parallel else _encode_row(row, *args)))
+
+    examples = encode_rows(rows, encode, report, strict, first_row)
     if not examples and report.dropped:
         raise ValueError(
             f"every example is longer than {limit_name} = {max_tokens} tokens (the shortest "
@@ -254,9 +202,7 @@ def _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong
         raise ValueError(f"overlong = {overlong!r}; use 'truncate' or 'drop'.")
     if max_tokens < 2:
         raise ValueError(f"max_tokens = {max_tokens}; an example needs at least 2 tokens.")
-    if len(rows) == 0:
-        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
-    fmt = detect_format(_columns(rows), format)
+    fmt = detect_format(row_columns(rows), format)  # row_columns: an empty dataset is an error
     if fmt != "text" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"data format {fmt!r} needs a chat template but the tokenizer has none; give one "
@@ -265,42 +211,31 @@ def _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong
     return fmt
 
 
-def _encode_in_processes(rows: Any, args: tuple, num_proc: int):
-    """(example or None, status, truncated) per row, tokenized by `datasets` in processes."""
+def _encode_in_processes(rows: Any, args: tuple, num_proc: int) -> Any:
+    """The rows tokenized by `datasets` in processes: one row of `_map_fn`'s columns each."""
     names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong", "auto")
-    mapped = rows.map(
+    return rows.map(
         _map_fn,
         fn_kwargs=dict(zip(names, args)),
         remove_columns=rows.column_names,
         num_proc=num_proc,
         desc="tokenizing",
     )
-    for r in mapped:
-        ex = Example(r["ids"], r["mask"]) if r["status"] == "ok" else None
-        yield ex, r["status"], r["truncated"], r["format"]
 
 
-def _collect(results, report: DataReport, first_row: int, strict: bool):
-    """Keep the encoded examples; count every drop and skip in `report` (or raise if strict)."""
-    examples = []
-    for index, (ex, status, truncated, fmt) in enumerate(results, start=first_row):
-        report.formats[fmt] += 1
-        report.truncated += truncated
-        if status.startswith("dropped"):
-            report.dropped += 1
-            report.dropped_lengths[int(status.split(":")[1])] += 1
-            continue
-        if ex is None:
-            reason = status.split(":", 1)[0]
-            if strict:
-                raise ValueError(
-                    f"data row {index}: {status} (strict mode; fix or remove the row)."
-                )
-            report.skipped[reason] += 1
-            report.first_skip = report.first_skip or f"row {index}: {status}"
-            continue
-        examples.append(ex)
-        report.kept += 1
-        report.tokens += len(ex)
-        report.target_tokens += sum(ex.trainable[1:])
-    return examples, report
+def _from_mapped(r: Mapping[str, Any]) -> tuple[Example | None, str, bool, str]:
+    ex = Example(r["ids"], r["mask"]) if r["status"] == "ok" else None
+    return ex, r["status"], r["truncated"], r["format"]
+
+
+def _outcome(report: DataReport, ex, status: str, truncated: bool, fmt: str) -> Encoded:
+    """One `_encode_row` result as the row loop takes it: a skip raises its RowError; the
+    row's format and truncation are counted here, since a truncated row may be skipped."""
+    report.formats[fmt] += 1
+    report.truncated += truncated
+    if status.startswith("dropped"):
+        return Encoded(None, int(status.split(":")[1]))
+    if ex is None:
+        reason, _, detail = status.partition(": ")
+        raise RowError(reason, detail)
+    return Encoded(ex, len(ex), sum(ex.trainable[1:]))

@@ -151,7 +151,8 @@ def _text_message(message: dict, index: int, i: int) -> dict:
     joins them (data/formats.py); an image part is an error (no vision model here)."""
     if not isinstance(message.get("content"), list):
         return message
-    from slipstream.data.formats import RowError, text_content
+    from slipstream.data.formats import text_content
+    from slipstream.data.rows import RowError
 
     try:
         return {**message, "content": text_content(message["content"], f"message {i}")}

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from slipstream import distributed as dist
+from slipstream.data.rows import row_columns
 from slipstream.objectives.grpo_data import (
     PromptBatch,
     PromptExample,
@@ -108,11 +109,7 @@ class GRPO:
 
     # -- data ---------------------------------------------------------------------------
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
-        columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-        if list(columns) == ["_json"] and len(rows):
-            import json
-
-            columns = list(json.loads(rows[0]["_json"]))
+        columns = row_columns(rows)
         check_prompt_column(columns)
         missing = sorted(set(getattr(self.rewards, "columns_needed", ())) - set(columns))
         if missing:

@@ -19,15 +19,14 @@ per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from slipstream.data.formats import RowError, text_content
-from slipstream.data.labels import DataReport
+from slipstream.data.formats import text_content
+from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
 from slipstream.ops.packing import SeqInfo, to_device
 
 
@@ -84,38 +83,25 @@ def tokenize_prompts(
     first_row: int = 0,
 ) -> tuple[list[PromptExample], DataReport]:
     """Prompt rows (a `datasets.Dataset` or list of dicts) -> examples; every skip counted."""
-    if len(rows) == 0:
-        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
     report = DataReport(rows=len(rows), format="prompt")
-    examples: list[PromptExample] = []
-    for index, row in enumerate(rows, start=first_row):
-        if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
-            row = json.loads(row["_json"])
+
+    def encode(row: Mapping[str, Any], index: int) -> Encoded:
         prompt = row.get("prompt")
         try:
             if not isinstance(prompt, (str, list)) or not prompt:
                 raise ValueError(f"'prompt' is {type(prompt).__name__}, not text or messages")
             ids = _encode(tokenizer, prompt)
-        except (ValueError, RowError) as e:
-            if strict:
-                raise ValueError(
-                    f"data row {index}: {e} (strict mode; fix or remove the row)"
-                ) from None
-            report.skipped[e.reason if isinstance(e, RowError) else "bad_prompt"] += 1
-            report.first_skip = report.first_skip or f"row {index}: {e}"
-            continue
+        except ValueError as e:
+            raise RowError("bad_prompt", str(e)) from None
         if len(ids) > max_prompt_tokens:
             if overlong == "drop":
-                report.dropped += 1
-                report.dropped_lengths[len(ids)] += 1
-                continue
+                return Encoded(None, len(ids))
             ids = ids[-max_prompt_tokens:]
             report.truncated += 1
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        examples.append(PromptExample(ids, prompt, columns, index))
-        report.kept += 1
-        report.tokens += len(ids)
-    return examples, report
+        return Encoded(PromptExample(ids, prompt, columns, index), len(ids))
+
+    return encode_rows(rows, encode, report, strict, first_row), report
 
 
 @dataclass

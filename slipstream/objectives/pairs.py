@@ -39,17 +39,11 @@ from typing import Any
 
 import torch
 
-from slipstream.data.formats import RowError, text_content
-from slipstream.data.labels import DataReport
+from slipstream.data.formats import text_content
+from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
 from slipstream.ops.packing import SeqInfo, to_device
 
 PAIR_COLUMNS = ("chosen", "rejected")
-
-
-class PairRowError(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -84,22 +78,22 @@ def _is_messages(value: Any) -> bool:
 def _check_field(row: Mapping[str, Any], key: str) -> Any:
     value = row.get(key)
     if value is None:
-        raise PairRowError("missing_field", f"no {key!r}")
+        raise RowError("missing_field", f"no {key!r}")
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         messages = []
         for i, m in enumerate(value):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise PairRowError("wrong_type", f"{key!r} message {i} has no 'role' string")
+                raise RowError("wrong_type", f"{key!r} message {i} has no 'role' string")
             if not isinstance(m.get("content"), (str, list)):
-                raise PairRowError("wrong_type", f"{key!r} message {i} has no 'content' string")
+                raise RowError("wrong_type", f"{key!r} message {i} has no 'content' string")
             try:  # text parts joined (data/formats.py); an image part is its own skip reason
                 messages.append({**m, "content": text_content(m["content"], f"message {i}")})
             except RowError as e:
-                raise PairRowError(e.reason, f"{key!r} {e.detail}") from None
+                raise RowError(e.reason, f"{key!r} {e.detail}") from None
         return messages
-    raise PairRowError("wrong_type", f"{key!r} is {type(value).__name__}, expected str or list")
+    raise RowError("wrong_type", f"{key!r} is {type(value).__name__}, expected str or list")
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -116,21 +110,21 @@ def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
 
 
 def parse_pair_row(row: Mapping[str, Any], eos_token: str | None) -> tuple[Any, Any, Any, dict]:
-    """(prompt, chosen, rejected, template kwargs) of one row, checked; PairRowError if bad."""
+    """(prompt, chosen, rejected, template kwargs) of one row, checked; RowError if bad."""
     chosen, rejected = _check_field(row, "chosen"), _check_field(row, "rejected")
     if "prompt" in row:
         prompt = _check_field(row, "prompt")
     else:
         if type(chosen) is not type(rejected):
-            raise PairRowError("mixed_formats", "chosen and rejected are of different kinds")
+            raise RowError("mixed_formats", "chosen and rejected are of different kinds")
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     conversational = [_is_messages(v) for v in (prompt, chosen, rejected) if v]
     if isinstance(prompt, list) != isinstance(chosen, list) or len(set(conversational)) > 1:
-        raise PairRowError("mixed_formats", "prompt, chosen and rejected mix strings and messages")
+        raise RowError("mixed_formats", "prompt, chosen and rejected mix strings and messages")
     if chosen == rejected:
-        raise PairRowError("identical", "chosen equals rejected")
+        raise RowError("identical", "chosen equals rejected")
     if not chosen or not rejected:
-        raise PairRowError("empty", "chosen or rejected is empty")
+        raise RowError("empty", "chosen or rejected is empty")
     kwargs: dict[str, Any] = {}
     if isinstance(chosen, list):
         tools = row.get("tools")
@@ -171,12 +165,12 @@ def encode_pair(tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
         if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
             raise
         first_line = str(e).splitlines()[0] if str(e) else repr(e)
-        raise PairRowError("template_error", first_line) from None
+        raise RowError("template_error", first_line) from None
     prompt_len = min(
         _common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids)
     )
     if prompt_len == len(chosen_ids) or prompt_len == len(rejected_ids):
-        raise PairRowError("empty", "chosen or rejected has no tokens after the prompt")
+        raise RowError("empty", "chosen or rejected has no tokens after the prompt")
     return PairExample(chosen_ids, rejected_ids, prompt_len)
 
 
@@ -190,36 +184,22 @@ def tokenize_pairs(
     first_row: int = 0,
 ) -> tuple[list[PairExample], DataReport]:
     """Tokenize preference rows (a `datasets.Dataset` or list of dicts); every skip counted."""
-    if len(rows) == 0:
-        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
     report = DataReport(rows=len(rows))
-    examples: list[PairExample] = []
-    for index, row in enumerate(rows, start=first_row):
-        if "_json" in row and len(row) == 1:  # rows whose types did not fit one Arrow schema
-            row = json.loads(row["_json"])
+
+    def encode(row: Mapping[str, Any], index: int) -> Encoded:
         row = {k: v for k, v in row.items() if v is not None or k in PAIR_COLUMNS}
-        try:
-            ex = encode_pair(tokenizer, row)
-            if max(len(ex.chosen), len(ex.rejected)) > max_tokens:
-                if overlong == "drop":
-                    report.dropped += 1
-                    continue
-                if ex.prompt_len >= max_tokens:
-                    raise PairRowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
-                ex = PairExample(ex.chosen[:max_tokens], ex.rejected[:max_tokens], ex.prompt_len)
-                report.truncated += 1
-        except PairRowError as e:
-            if strict:
-                raise ValueError(
-                    f"data row {index}: {e} (strict mode; fix or remove the row)."
-                ) from None
-            report.skipped[e.reason] += 1
-            report.first_skip = report.first_skip or f"row {index}: {e}"
-            continue
-        examples.append(ex)
-        report.kept += 1
-        report.tokens += len(ex)
-        report.target_tokens += len(ex) - 2 * ex.prompt_len
+        ex = encode_pair(tokenizer, row)
+        longest = max(len(ex.chosen), len(ex.rejected))
+        if longest > max_tokens:
+            if overlong == "drop":
+                return Encoded(None, longest)
+            if ex.prompt_len >= max_tokens:
+                raise RowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
+            ex = PairExample(ex.chosen[:max_tokens], ex.rejected[:max_tokens], ex.prompt_len)
+            report.truncated += 1
+        return Encoded(ex, len(ex), len(ex) - 2 * ex.prompt_len)
+
+    examples = encode_rows(rows, encode, report, strict, first_row)
     if not examples:
         raise ValueError(f"no usable preference pairs: {report.summary()}")
     return examples, report

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slipstream.data.rows import row_columns
 from slipstream.objectives.logps import segment_sums, token_logps
 from slipstream.objectives.pairs import PairExample, check_pair_columns, collate_pairs
 from slipstream.objectives.reference import adapters_disabled, build_reference
@@ -158,11 +159,7 @@ class Preference:
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
         from slipstream.objectives.pairs import tokenize_pairs
 
-        columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-        if list(columns) == ["_json"] and len(rows):
-            import json
-
-            columns = list(json.loads(rows[0]["_json"]))
+        columns = row_columns(rows)
         check_pair_columns(columns, self.name)
         return tokenize_pairs(rows, tokenizer, first_row=first_row, **self.data_options)
 
