@@ -57,6 +57,18 @@ class ModelSection(_Section):
         "PEFT adapter folder to start from (LoRA: its factors, r, alpha, targets and dropout "
         "win over lora's; full: merged in first)",
     )
+    add_tokens: list[str] = Field(
+        default_factory=list,
+        description="tokens added to the tokenizer; new embedding rows start at the mean, "
+        "and train (with LoRA: those rows only, unless lora.train_embeddings names the matrix)",
+    )
+
+    @field_validator("add_tokens")
+    @classmethod
+    def _distinct_tokens(cls, value: list[str]) -> list[str]:
+        if any(not t for t in value) or len(set(value)) != len(value):
+            raise ValueError("give each token once, none empty")
+        return value
 
 
 class DataSection(_Section):
@@ -108,6 +120,10 @@ class LoraSection(_Section):
     use_rslora: bool = _opt(False, "rank-stabilised scale alpha / sqrt(rank)")
     use_dora: bool = _opt(False, "DoRA: a trained magnitude per output row")
     plus_ratio: float | None = _opt(None, "LoRA+: B factors at this multiple of the lr", gt=0)
+    train_embeddings: list[Literal["embed_tokens", "lm_head"]] = Field(
+        default_factory=list,
+        description="whole matrices trained beside the adapters (peft's modules_to_save)",
+    )
 
 
 class TrainSection(_Section):
@@ -258,6 +274,19 @@ class RunConfig(_Section):
     def _best_needs_eval_data(self) -> RunConfig:
         if self.train.save_best and self.data.eval is None and not self.data.eval_fraction:
             raise ValueError("train.save_best needs eval data: set data.eval or data.eval_fraction")
+        return self
+
+    @model_validator(mode="after")
+    def _embeddings_need_lora(self) -> RunConfig:
+        if self.lora.train_embeddings and self.lora.method == "full":
+            raise ValueError(
+                "lora.train_embeddings is for lora.method=lora (full trains every weight)"
+            )
+        if (self.model.add_tokens or self.lora.train_embeddings) and self.model.adapter:
+            raise ValueError(
+                "model.add_tokens and lora.train_embeddings start a new adapter; with "
+                "model.adapter the adapter's own embeddings apply: drop them or model.adapter"
+            )
         return self
 
     @model_validator(mode="after")

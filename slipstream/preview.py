@@ -17,10 +17,11 @@ GREEN, RESET = "\033[32m", "\033[0m"
 def preview(cfg: Any, *, color: bool = False) -> str:
     """The preview text for run config `cfg` (RunConfig)."""
     from slipstream.checkpoint.tokenizer import load_tokenizer
-    from slipstream.train.setup import build_data, set_chat_template
+    from slipstream.train.setup import add_tokens, build_data, set_chat_template
 
     tokenizer = load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
+    add_tokens(tokenizer, cfg.model.add_tokens)
     data = build_data(cfg, tokenizer)
     t, report = cfg.train, data.report
     lines = [f"source {src}: format {fmt}" for src, fmt in data.formats.items()]

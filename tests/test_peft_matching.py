@@ -285,9 +285,29 @@ def test_gpt_oss_router_weight(checkpoints, tmp_path):
     _assert_same_as_peft(again, ours, hf.config.vocab_size)
 
 
-UNSUPPORTED = {
+EMBEDDINGS = {
     "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
     "trainable_token_indices": dict(target_modules=["q_proj"], trainable_token_indices=[3, 5]),
+}
+
+
+@pytest.mark.parametrize("key,config", EMBEDDINGS.items(), ids=EMBEDDINGS.keys())
+def test_peft_trained_embeddings_load_into_ours(checkpoints, tmp_path, key, config):
+    """peft's own trained head / token rows (moved from their start) give its logits here."""
+    hf, path = checkpoints("llama")
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=2, lora_alpha=4, **config))
+    randomise_lora_b(pm)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "modules_to_save" in name or "trainable_tokens_delta" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    pm.save_pretrained(tmp_path)
+    ours = load_adapter(slipstream.load_model(path), tmp_path)
+    _assert_same_as_peft(pm.eval(), ours, hf.config.vocab_size, base=hf)
+
+
+UNSUPPORTED = {
+    "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["v_proj"]),
     "layer_replication": dict(target_modules=["q_proj"], layer_replication=[[0, 2], [1, 2]]),
 }
 

@@ -20,6 +20,11 @@ from torch import nn
 
 from slipstream.checkpoint.atomic import atomic_write
 from slipstream.models import weight_map
+from slipstream.peft.embeddings import (
+    adapter_embeddings,
+    embedding_tensors,
+    prepare_embeddings,
+)
 from slipstream.peft.lora import (
     check_hyperparameters,
     is_router_lora,
@@ -44,6 +49,8 @@ from slipstream.peft.names import (
     target_modules,
 )
 from slipstream.sources import SOURCE_KEY
+
+VOCAB_KEY = "slipstream.vocab_size"  # the weights file's metadata: the model's rows
 
 
 def _lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,13 +84,14 @@ def save_adapter(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create adapter dir {out}: {e.strerror}") from None
-    tensors = {k: p.detach().cpu().contiguous() for k, p in _lora_tensors(model).items()}
+    trained = {**_lora_tensors(model), **embedding_tensors(model)}
+    tensors = {k: p.detach().cpu().contiguous() for k, p in trained.items()}
     if cfg.get("target_parameters"):
         tensors.update(expert_lora_tensors(model))
     unwrapped = [name for name, *_ in linear_children(model)]
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", VOCAB_KEY: str(model.config.vocab_size)}
     source = getattr(model, "source", None)
     if source and source != base_model_name_or_path:
         metadata[SOURCE_KEY] = str(source)
@@ -105,7 +113,9 @@ def save_adapter(
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": cfg.get("modules_to_save"),
+        "trainable_token_indices": cfg.get("trainable_token_indices"),
+        "ensure_weight_tying": bool(cfg.get("ensure_weight_tying", False)),
         "layers_to_transform": None,
         "layers_pattern": None,
         "rank_pattern": {},
@@ -164,6 +174,7 @@ def _read_adapter_config(path: Path) -> dict:
         if key not in cfg:
             raise ValueError(f"{path}: no {key!r}: not a LoRA adapter config")
     check_keys(cfg, path)
+    adapter_embeddings(cfg, path)  # its trained embeddings: a form slipstream has
     return cfg
 
 
@@ -171,12 +182,14 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
     Expert factors (`target_parameters` on a MoE model) load in the same pass."""
     src = Path(dir)
-    _apply_adapter_config(model, _read_adapter_config(src / ADAPTER_CONFIG), src)
+    config = _read_adapter_config(src / ADAPTER_CONFIG)
+    _apply_adapter_config(model, config, src)
     weights_path = src / ADAPTER_WEIGHTS
     if not weights_path.is_file():
         raise ValueError(f"{weights_path} not found: the adapter has no weights")
     tensors = load_file(weights_path)
-    expected = _lora_tensors(model)
+    prepare_embeddings(model, config, tensors, _vocab_size(weights_path), weights_path)
+    expected = {**_lora_tensors(model), **embedding_tensors(model)}
     has_experts = bool(model.lora_config.get("target_parameters"))
     expert_keys = set(expert_lora_factors(model)) if has_experts else set()
     for key in tensors:
@@ -195,6 +208,15 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     if has_experts:
         load_expert_lora_tensors(model, tensors, weights_path)
     return model
+
+
+def _vocab_size(path: Path) -> int | None:
+    """The vocabulary size our save recorded (None: another tool's adapter)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        value = (f.metadata() or {}).get(VOCAB_KEY)
+    return int(value) if value and value.isdigit() else None
 
 
 def _apply_adapter_config(model: nn.Module, cfg: dict, src: Path) -> None:

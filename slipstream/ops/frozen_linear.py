@@ -96,8 +96,11 @@ def frozen_linears(model: nn.Module) -> list[nn.Linear]:
     head = model.lm_head_weight() if hasattr(model, "lm_head_weight") else None
     return [
         m
-        for m in model.modules()
-        if type(m) is nn.Linear and _frozen_plain_float32(m) and m.weight is not head
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
+        and _frozen_plain_float32(m)
+        and m.weight is not head
+        and not name.startswith("lm_head.")  # the base of a head with trained rows
     ]
 
 

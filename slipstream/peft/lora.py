@@ -27,6 +27,7 @@ from torch import nn
 
 from slipstream.models.moe_block import Router, moe_blocks
 from slipstream.peft.dora import DoRALinear
+from slipstream.peft.embeddings import merge_trainable_tokens
 from slipstream.peft.lora_experts import experts_paths, merge_expert_lora, wrap_experts
 from slipstream.peft.lora_linear import LoRALinear, lora_modules
 from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, parameter_targets
@@ -168,7 +169,8 @@ def wrap_lora(
         # cross-entropy, `lm_head_weight`): factors on it would never be used or trained.
         raise ValueError(
             "LoRA on lm_head is not supported: the loss reads the head's weight directly, so "
-            "its factors would never train; drop lm_head from the lora targets"
+            "its factors would never train; drop lm_head from the lora targets (to train the "
+            "head: lora.train_embeddings=[lm_head])"
         )
     for name, parent, attr, module in linear_children(model):
         if name in targets.linears:
@@ -207,6 +209,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     modules back."""
     if (getattr(model, "lora_config", None) or {}).get("target_parameters"):
         merge_expert_lora(model)
+    merge_trainable_tokens(model)  # trained embedding rows into their matrices
     for name, module in list(lora_modules(model).items()):
         base = module.base_layer
         if not base.weight.is_floating_point():

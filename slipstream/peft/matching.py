@@ -22,8 +22,9 @@ On Qwen3-MoE, peft first rewrites transformers-v4 names to the fused v5 experts 
 `down_proj`, `gate` -> the router's `gate.weight`): `convert_moe_names`, as it does.
 
 slipstream puts LoRA on nn.Linear layers, MoE experts' `gate_up_proj` / `down_proj` and MoE
-routers' `weight`; any other match, and any key whose value would change the model in peft but
-has no form here (`modules_to_save`, trainable tokens, LoftQ, ...), is a one-line error naming
+routers' `weight`, and trains `modules_to_save` / `trainable_token_indices` on the embedding
+and head (peft/embeddings.py, which checks them); any other match, and any key whose value
+would change the model in peft but has no form here (LoftQ, ...), is a one-line error naming
 it.
 """
 
@@ -49,7 +50,7 @@ from slipstream.peft.names import EXPERT_TARGETS, model_layout, peft_path
 READ = {
     "r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "target_modules",
     "exclude_modules", "target_parameters", "layers_to_transform", "layers_pattern",
-    "rank_pattern", "alpha_pattern",
+    "rank_pattern", "alpha_pattern", "modules_to_save", "trainable_token_indices",
 }  # fmt: skip
 INERT = {
     "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode",

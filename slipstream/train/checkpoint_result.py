@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from slipstream.config import RunConfig
-from slipstream.train.setup import build_model, save_result, set_chat_template
+from slipstream.train.setup import add_tokens, build_model, save_result, set_chat_template
 from slipstream.train.state import CheckpointError, read_state, verify_checkpoint
 
 
@@ -49,7 +49,10 @@ def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
         dtype = next(iter(state["model"].values())).dtype
         model_cfg = model_cfg.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
     cfg = cfg.model_copy(update={"train": train, "model": model_cfg})
-    model = build_model(cfg, torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg.model.path)
+    set_chat_template(tokenizer, cfg.data.chat_template)
+    add_tokens(tokenizer, cfg.model.add_tokens)
+    model = build_model(cfg, torch.device("cpu"), tokenizer)
     params = dict(model.named_parameters())
     unknown = [n for n in state["model"] if n not in params]
     if unknown:
@@ -60,7 +63,5 @@ def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
     with torch.no_grad():
         for name, value in state["model"].items():
             params[name].copy_(value)
-    tokenizer = load_tokenizer(cfg.model.path)
-    set_chat_template(tokenizer, cfg.data.chat_template)
     save_result(model, tokenizer, into, cfg)
     return cfg

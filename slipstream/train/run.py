@@ -35,6 +35,7 @@ from slipstream.train.optim import build_optimizer, build_schedule, warmup_steps
 from slipstream.train.report_to import resolve_report_to
 from slipstream.train.setup import (
     RunData,
+    add_tokens,
     build_data,
     build_model,
     report_dict,
@@ -107,12 +108,13 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         say_adapter_overrides(cfg, check_adapter_dir(cfg.model.adapter, "model.adapter"))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
     set_chat_template(tokenizer, cfg.data.chat_template)
+    add_tokens(tokenizer, cfg.model.add_tokens)
     data = build_data(cfg, tokenizer, objective)
     if device.type == "cpu":  # hyperthread siblings share a core's matrix unit
         from slipstream.cpu import set_threads
 
         dist.print_main(f"slipstream: {set_threads(t.threads)} on the CPU")
-    model = model if model is not None else build_model(cfg, device)
+    model = model if model is not None else build_model(cfg, device, tokenizer)
     if hasattr(objective, "attach"):  # e.g. DPO's reference policy, before any sharding
         objective.attach(model, cfg, data, device)
     ddp = dist.wrap_model(model, mode, device)
@@ -203,7 +205,9 @@ def finish_run(
         is_new_best(run, step, eval_after)  # the final model itself, in output_dir
     if status == "completed":
         # FSDP2: every rank helps gather the weights; rank 0 writes them.
-        result = dist.unsharded(run.model, lambda: build_model(cfg, torch.device("cpu")))
+        result = dist.unsharded(
+            run.model, lambda: build_model(cfg, torch.device("cpu"), run.tokenizer)
+        )
         if dist.is_main():
             save_result(result, run.tokenizer, out, cfg)
     plot = plot_losses(meter.log.path, out / "loss.png") if dist.is_main() else None

@@ -108,9 +108,10 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
     return examples, report
 
 
-def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """Load weights (NF4 for QLoRA), then LoRA or full training, then (CPU) frozen weights
-    prepacked, then checkpointing and compile."""
+def build_model(cfg: RunConfig, device: torch.device, tokenizer: Any = None) -> torch.nn.Module:
+    """Load weights (NF4 for QLoRA), grow the vocabulary for `model.add_tokens` (the
+    tokenizer's, after `add_tokens`), then LoRA (and trained embeddings) or full training,
+    then (CPU) frozen weights prepacked, then checkpointing and compile."""
     from slipstream.checkpoint.hf import load_model
 
     quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
@@ -127,6 +128,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
             raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
         set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
+    new_ids = grow_vocab(model, tokenizer, cfg.model.add_tokens)
     if cfg.model.adapter is not None:
         from slipstream.checkpoint.adapter import load_adapter
         from slipstream.sources import check_adapter_dir
@@ -145,6 +147,11 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
             model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets,
             use_rslora=lo.use_rslora, use_dora=lo.use_dora,
         )  # fmt: skip
+        if new_ids or lo.train_embeddings:
+            from slipstream.peft.embeddings import apply_embedding_training, new_token_rows
+
+            rows = new_token_rows(model, new_ids, lo.train_embeddings)
+            apply_embedding_training(model, rows=rows, full=lo.train_embeddings)
     elif cfg.lora.method == "full":
         model.requires_grad_(True)
     # Not under compile (dynamo cannot trace oneDNN's packed weights) nor FSDP2 (shards).
@@ -170,6 +177,30 @@ def build_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 
         apply_compile(model)
     return model
+
+
+def add_tokens(tokenizer: Any, tokens: list[str]) -> None:
+    """`model.add_tokens` into the tokenizer (before the data is tokenized); tokens it already
+    has keep their ids."""
+    if tokens:
+        added = tokenizer.add_tokens(list(tokens))
+        dist.print_main(f"slipstream: {added} of model.add_tokens' {len(tokens)} tokens are new")
+
+
+def grow_vocab(model: torch.nn.Module, tokenizer: Any, tokens: list[str]) -> list[int]:
+    """The ids of `tokens` (after `add_tokens`); the embedding (and head) grown to the
+    tokenizer's length where it is longer, new rows at the mean of the old ones."""
+    if not tokens:
+        return []
+    if tokenizer is None:
+        raise ValueError("model.add_tokens: build_model needs the run's tokenizer")
+    from slipstream.peft.embeddings import resize_vocab
+
+    ids = tokenizer.convert_tokens_to_ids(list(tokens))
+    added = resize_vocab(model, len(tokenizer))
+    if added:
+        dist.print_main(f"slipstream: embedding grown by {added} rows (their mean to start)")
+    return ids
 
 
 def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
