@@ -5,7 +5,8 @@ naming the file and line), `tokenize_rows` (labels.py: the chat template, assist
 targets), `encode_rows` (rows.py: the one row loop every objective reads its rows through,
 its `DataReport` of what was skipped, truncated or dropped, `row_columns`), `pack_examples`,
 `packing_efficiency` and `epoch_order` (packing.py: best-fit decreasing, seeded order),
-`collate` -> `Batch` (collate.py: shifted labels, one non-blocking copy). Row formats,
+`collate` -> `Batch` (collate.py, through packed.py: the one packed-batch builder every
+collator uses, its fields in one buffer, one non-blocking copy). Row formats,
 auto-detected from the columns: formats.py. Demo data: `chitchat_rows` (chitchat.py).
 """
 
@@ -14,12 +15,16 @@ from slipstream.data.collate import IGNORE_INDEX, Batch, collate
 from slipstream.data.formats import FORMATS, detect_format, to_messages
 from slipstream.data.labels import Example, encode_chat, tokenize_rows
 from slipstream.data.load import load_rows, load_split, rows_from_list
+from slipstream.data.packed import PackedBatch, PackedBuilder, PackedView
 from slipstream.data.packing import epoch_order, pack_examples, packing_efficiency
 from slipstream.data.rows import DataReport, RowError, encode_rows, row_columns
 
 __all__ = [
     "FORMATS",
     "IGNORE_INDEX",
+    "PackedBatch",
+    "PackedBuilder",
+    "PackedView",
     "Batch",
     "DataReport",
     "Example",

@@ -20,14 +20,14 @@ per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from slipstream.data.formats import text_content
+from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
-from slipstream.ops.packing import SeqInfo, to_device
 
 
 @dataclass
@@ -117,40 +117,25 @@ class Sample:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
-@dataclass
-class RolloutBatch:
-    """S packed prompt+completion sequences (module docstring). Host ints: `num_sequences`,
-    `completion_tokens` (unmasked scored tokens), `weight` (the loss type's normaliser
-    share), `metric_scale` (weight / completion_tokens: token means logged per weight)."""
+@dataclass(eq=False)
+class RolloutBatch(PackedView):
+    """S packed prompt+completion sequences (module docstring), a view of the packed batch
+    (data/packed.py): `input_ids`, `labels`, `positions`, `seq`, and per scored position
+    `advantages`, `scales`, `mask`. Host ints: `num_sequences`, `completion_tokens`
+    (unmasked scored tokens), `weight` (the loss type's normaliser share), `metric_scale`
+    (weight / completion_tokens: token means logged per weight). Set on the device later:
+    `old_logps`, `ref_logps`."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    seq: SeqInfo
-    positions: torch.Tensor
-    advantages: torch.Tensor
-    scales: torch.Tensor
-    mask: torch.Tensor
     num_sequences: int
     completion_tokens: int
     weight: int
     metric_scale: float
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
-    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        """The batch on `device`: two non-blocking copies (int64, float32) + the SeqInfo's."""
-        ints, floats = (to_device(buf, device) for buf in self._host)
-        T, N = self.input_ids.numel(), self.positions.numel()
-        return replace(
-            self, input_ids=ints[:T], labels=ints[T : 2 * T], positions=ints[2 * T :],
-            seq=self.seq.to(device), advantages=floats[:N], scales=floats[N : 2 * N],
-            mask=floats[2 * N :], _host=[ints, floats],
-        )  # fmt: skip
+    advantages = packed_field("advantages")
+    scales = packed_field("scales")
+    mask = packed_field("mask")
 
 
 def collate_rollouts(sequences: Sequence[Sample], loss_type: str, max_completion: int):
@@ -161,35 +146,14 @@ def collate_rollouts(sequences: Sequence[Sample], loss_type: str, max_completion
     scales_S, weight = token_scales(lengths, [s.masked for s in sequences], loss_type)
     if loss_type == "dr_grpo":
         weight *= max_completion
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    adv: list[float] = []
-    scales: list[float] = []
-    mask: list[float] = []
+    f32 = ("scored", torch.float32)
+    builder = PackedBuilder(advantages=f32, scales=f32, mask=f32)
     for s, scale in zip(sequences, scales_S, strict=True):
-        start, p = len(ids), len(s.prompt_ids)
-        full = s.prompt_ids + s.completion_ids
-        ids.extend(full)
-        labels.extend([-100] * len(full))
-        for t in range(p - 1, len(full) - 1):  # position t scores completion token t + 1
-            labels[start + t] = full[t + 1]
-            positions.append(start + t)
-        n = len(s.completion_ids)
-        adv += [s.advantage] * n
-        scales += [scale] * n
-        mask += [0.0 if s.masked else 1.0] * n
-    ints = torch.tensor(ids + labels + positions, dtype=torch.int64)
-    floats = torch.tensor(adv + scales + mask, dtype=torch.float32)
-    if torch.cuda.is_available():
-        ints, floats = ints.pin_memory(), floats.pin_memory()
-    T, N = len(ids), len(positions)
-    tokens = int(sum(mask))
-    return RolloutBatch(
-        ints[:T], ints[T : 2 * T], SeqInfo.from_lengths([len(s) for s in sequences]),
-        ints[2 * T :], floats[:N], floats[N : 2 * N], floats[2 * N :], len(sequences), tokens,
-        weight, weight / max(tokens, 1), _host=[ints, floats],
-    )  # fmt: skip
+        full = s.prompt_ids + s.completion_ids  # only the completion's tokens are scored
+        builder.add(full, [(len(s.prompt_ids), len(full))], advantages=s.advantage,
+                    scales=scale, mask=0.0 if s.masked else 1.0)  # fmt: skip
+    tokens = sum(n for n, s in zip(lengths, sequences, strict=True) if not s.masked)
+    return RolloutBatch(builder.build(), len(sequences), tokens, weight, weight / max(tokens, 1))
 
 
 def pack_sequences(lengths: list[int], budget: int, fallback: list[list[int]]) -> list[list[int]]:

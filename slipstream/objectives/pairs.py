@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from slipstream.data.formats import text_content
+from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
-from slipstream.ops.packing import SeqInfo, to_device
 
 PAIR_COLUMNS = ("chosen", "rejected")
 
@@ -205,41 +205,22 @@ def tokenize_pairs(
     return examples, report
 
 
-@dataclass
-class PairBatch:
-    """P pairs packed as 2P sequences (chosen, rejected, chosen, ...). Host-built:
-    `input_ids` (T,); `labels` (T,) the shifted targets of the scored positions, -100
-    elsewhere; `positions` (N,) the scored positions, ascending; `segments` (N,) each scored
-    position's slot: its sequence index for completion tokens, 2P + i for pair i's chosen
-    prompt tokens (scored only when `score_prompt`: ORPO's NLL covers the prompt);
-    `completion_tokens` (2P,) float; `ref_logps` (2P,) when precomputed. Host ints:
-    `num_pairs`, `num_chosen_tokens` (targets in the chosen sequences, ORPO's NLL count)."""
+@dataclass(eq=False)
+class PairBatch(PackedView):
+    """P pairs packed as 2P sequences (chosen, rejected, chosen, ...), a view of the packed
+    batch (data/packed.py): `input_ids`, `labels`, `positions` (the scored positions),
+    `seq`; `segments` (N,) each scored position's slot: its sequence index for completion
+    tokens, 2P + i for pair i's chosen prompt tokens (scored only when `score_prompt`:
+    ORPO's NLL covers the prompt); `completion_tokens` (2P,) float; `ref_logps` (2P,) when
+    precomputed. Host ints: `num_pairs`, `num_chosen_tokens` (targets in the chosen
+    sequences, ORPO's NLL count)."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    seq: SeqInfo
-    positions: torch.Tensor
-    segments: torch.Tensor
-    completion_tokens: torch.Tensor
     num_pairs: int
     num_chosen_tokens: int
-    ref_logps: torch.Tensor | None = None
-    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str) -> PairBatch:
-        """The batch on `device`: two non-blocking copies (int64 and float32 buffers) + SeqInfo."""
-        ints, floats = (to_device(buf, device) for buf in self._host)
-        T, N, S = self.input_ids.numel(), self.positions.numel(), 2 * self.num_pairs
-        ref = floats[S:] if self.ref_logps is not None else None
-        return PairBatch(
-            ints[:T], ints[T : 2 * T], self.seq.to(device), ints[2 * T : 2 * T + N],
-            ints[2 * T + N :], floats[:S], self.num_pairs, self.num_chosen_tokens, ref,
-            [ints, floats],
-        )  # fmt: skip
+    segments = packed_field("segments")
+    completion_tokens = packed_field("completion_tokens")
+    ref_logps = packed_field("ref_logps", optional=True)
 
 
 def collate_pairs(
@@ -252,37 +233,19 @@ def collate_pairs(
     if not examples:
         raise ValueError("collate_pairs: no pairs; a batch needs at least one.")
     P = len(examples)
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    segments: list[int] = []
-    lengths: list[int] = []
-    completion: list[float] = []
+    fields = dict(segments=("scored", torch.int64), completion_tokens=("sequence", torch.float32))
+    if ref_logps is not None:
+        fields["ref_logps"] = ("sequence", torch.float32)
+    builder = PackedBuilder(**fields)
     num_chosen = 0
     for i, ex in enumerate(examples):
         for j, seq_ids in enumerate((ex.chosen, ex.rejected)):
-            start, n, s = len(ids), len(seq_ids), 2 * i + j
-            # Position t scores token t+1: completion tokens are t+1 >= prompt_len.
-            first = 0 if score_prompt and j == 0 else ex.prompt_len - 1
-            ids.extend(seq_ids)
-            labels.extend([-100] * n)
-            for t in range(max(first, 0), n - 1):
-                labels[start + t] = seq_ids[t + 1]
-                positions.append(start + t)
-                segments.append(s if t + 1 >= ex.prompt_len else 2 * P + i)
-            lengths.append(n)
-            completion.append(float(n - ex.prompt_len))
-            if j == 0:
-                num_chosen += n - 1 - max(first, 0)
-    T, N = len(ids), len(positions)
-    ints = torch.tensor(ids + labels + positions + segments, dtype=torch.int64)
-    ref = [x for pair in ref_logps for x in pair] if ref_logps is not None else []
-    floats = torch.tensor(completion + ref, dtype=torch.float32)
-    if torch.cuda.is_available():
-        ints, floats = ints.pin_memory(), floats.pin_memory()
-    seq = SeqInfo.from_lengths(lengths)
-    return PairBatch(
-        ints[:T], ints[T : 2 * T], seq, ints[2 * T : 2 * T + N], ints[2 * T + N :],
-        floats[: 2 * P], P, num_chosen, floats[2 * P :] if ref_logps is not None else None,
-        [ints, floats],
-    )  # fmt: skip
+            p, s = ex.prompt_len, 2 * i + j
+            extra = {"ref_logps": ref_logps[i][j]} if ref_logps is not None else {}
+            scored = builder.add(
+                seq_ids, [(1 if score_prompt and j == 0 else p, len(seq_ids))],
+                segments=lambda u, p=p, s=s, i=i: s if u >= p else 2 * P + i,
+                completion_tokens=float(len(seq_ids) - p), **extra,
+            )  # fmt: skip
+            num_chosen += scored if j == 0 else 0
+    return PairBatch(builder.build(), P, num_chosen)
