@@ -4,7 +4,7 @@ fields beside them that ride one host buffer through `.to()`."""
 import pytest
 import torch
 
-from slipstream.data.packed import IGNORE_INDEX, PackedBuilder, target_spans
+from slipstream.data.packed import IGNORE_INDEX, PackedBuilder, PerSpan, target_spans
 from slipstream.objectives.grpo_data import RolloutBatch
 
 X = IGNORE_INDEX
@@ -30,8 +30,8 @@ def extra_batch():
     a whole (K, D) float tensor (image features, say)."""
     b = PackedBuilder(image=("token", torch.bool), slot=("scored", torch.int64),
                       shard=("sequence", torch.float32))  # fmt: skip
-    b.add([5, 6, 7, 8], [(2, 4)], image=[False, True, True, False], slot=lambda u: 10 * u,
-          shard=0.5)  # fmt: skip
+    b.add([5, 6, 7, 8], [(0, 2), (2, 4)], image=[False, True, True, False],
+          slot=PerSpan((7, 9)), shard=0.5)  # fmt: skip
     b.add([9, 10, 11], [(0, 3)], image=False, slot=[1, 2], shard=[2.0])
     b.put("features", torch.arange(6, dtype=torch.float32).view(3, 2) / 4)
     return b.build()
@@ -40,9 +40,9 @@ def extra_batch():
 def test_spans_make_labels_positions_and_fields():
     batch = extra_batch()
     # Position t scores token t + 1; token 0 of a sequence is never scored.
-    assert batch.labels.tolist() == [X, 7, 8, X, 10, 11, X]
-    assert batch.label_positions.tolist() == [1, 2, 4, 5] and batch.num_labels == 4
-    assert batch.fields["slot"].tolist() == [20, 30, 1, 2]
+    assert batch.labels.tolist() == [6, 7, 8, X, 10, 11, X]
+    assert batch.label_positions.tolist() == [0, 1, 2, 4, 5] and batch.num_labels == 5
+    assert batch.fields["slot"].tolist() == [7, 9, 9, 1, 2]  # one value a span's tokens
     assert batch.fields["image"].tolist() == [False, True, True, False, False, False, False]
     assert batch.fields["shard"].tolist() == [0.5, 2.0] and batch.seq.lengths == (4, 3)
     assert target_spans([False, True, True, False, True]) == [(1, 3), (4, 5)]
@@ -69,8 +69,8 @@ def test_extra_fields_ride_through_to_in_one_copy():
         k: ("meta", v.dtype, v.shape) for k, v in want.items()
     }
     # An objective's view carries the extras too, with no collator of its own.
-    view = RolloutBatch(batch, 2, 4, 4, 1.0).to("cpu")
-    assert torch.equal(view.packed.fields["shard"], want["shard"]) and view.positions.numel() == 4
+    view = RolloutBatch(batch, 2, 5, 5, 1.0).to("cpu")
+    assert torch.equal(view.packed.fields["shard"], want["shard"]) and view.positions.numel() == 5
 
 
 def test_builder_names_a_field_given_wrongly():
@@ -79,5 +79,7 @@ def test_builder_names_a_field_given_wrongly():
         b.add([1, 2, 3], [(1, 3)], slot=[1, 2, 3])
     with pytest.raises(ValueError, match=r"fields \[\]; this batch has \['slot'\]"):
         b.add([1, 2, 3], [(1, 3)])
+    with pytest.raises(ValueError, match="PerSpan is one value a span, scored"):
+        b.add([1, 2, 3], [(1, 3)], slot=PerSpan((1, 2)))
     with pytest.raises(ValueError, match="kind 'pixel'"):
         PackedBuilder(x=("pixel", torch.float32))

@@ -10,7 +10,7 @@ crosses a packed boundary) and `label_positions (N,)` (the scored positions, asc
 
 Fields beside them are named, of one of three kinds, and given per sequence to `add`:
 "token" (one value per token, (T,)), "scored" (one per scored position, (N,), in
-`label_positions` order; given as a function of the scored token's index when it varies),
+`label_positions` order; `PerSpan` gives one value for each span's tokens),
 "sequence" (one per sequence, (S,)); `put` adds a whole host tensor of any shape (image
 features and the positions they fill, a shard's offsets).
 
@@ -115,6 +115,10 @@ def _from_buffer(buffer: torch.Tensor, layout, seq: SeqInfo, num_labels: int) ->
     return PackedBatch(ids, labels, seq, num_labels, positions, v, buffer, tuple(layout))
 
 
+class PerSpan(tuple):
+    """A scored field's values given one per span of `PackedBuilder.add`."""
+
+
 class PackedBuilder:
     """Sequences in, one PackedBatch out. `fields`: name -> (kind, dtype), kind in KINDS."""
 
@@ -134,32 +138,33 @@ class PackedBuilder:
         """Append one sequence whose tokens `a <= u < b` of each span (a, b) are scored
         (sorted, disjoint; token 0 has nothing to predict it from and is never scored), with
         its value of every field: one number for all its entries, a sequence of them, or
-        (a "scored" field) a function of the scored token's index u. -> its scored count."""
+        (a "scored" field) `PerSpan` values, one for each span's tokens. -> its scored count."""
         if set(values) != set(self.kinds):
             raise ValueError(f"add: fields {sorted(values)}; this batch has {sorted(self.kinds)}")
         start, n = len(self.ids), len(ids)
         self.ids.extend(ids)
         labels = [IGNORE_INDEX] * n
-        scored: list[int] = []  # the scored tokens' indices u
-        for a, b in spans:
-            a, b = max(a, 1), min(b, n)
-            if a < b:  # position t scores token t + 1
-                labels[a - 1 : b - 1] = ids[a:b]
-                scored.extend(range(a, b))
+        scored = [range(max(a, 1), min(b, n)) for a, b in spans]  # each span's scored tokens
+        for u in scored:
+            if u:  # position t scores token t + 1
+                labels[u.start - 1 : u.stop - 1] = ids[u.start : u.stop]
+                self.positions.extend(range(start + u.start - 1, start + u.stop - 1))
         self.labels.extend(labels)
-        self.positions.extend(start + u - 1 for u in scored)
         self.lengths.append(n)
+        num_scored = sum(map(len, scored))
         for name, value in values.items():
             kind = self.kinds[name][0]
-            count = {"token": n, "scored": len(scored), "sequence": 1}[kind]
-            if callable(value) and kind == "scored":
-                value = [value(u) for u in scored]
+            count = {"token": n, "scored": num_scored, "sequence": 1}[kind]
+            if isinstance(value, PerSpan):
+                if kind != "scored" or len(value) != len(spans):
+                    raise ValueError(f"{name!r}: PerSpan is one value a span, scored fields only")
+                value = [v for v, u in zip(value, scored) for _ in u]
             elif isinstance(value, (int, float)):
                 value = [value] * count
             if len(value) != count:
                 raise ValueError(f"add: field {name!r} has {len(value)} values, needs {count}")
             self.values[name].extend(value)
-        return len(scored)
+        return num_scored
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """A whole host tensor as a field of the batch (any shape and dtype)."""

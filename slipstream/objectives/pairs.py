@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from slipstream.data.formats import text_content
-from slipstream.data.packed import PackedBuilder, PackedView, packed_field
+from slipstream.data.packed import PackedBuilder, PackedView, PerSpan, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
 
 PAIR_COLUMNS = ("chosen", "rejected")
@@ -240,12 +240,12 @@ def collate_pairs(
     num_chosen = 0
     for i, ex in enumerate(examples):
         for j, seq_ids in enumerate((ex.chosen, ex.rejected)):
-            p, s = ex.prompt_len, 2 * i + j
+            p, n, prompt = ex.prompt_len, len(seq_ids), score_prompt and j == 0
             extra = {"ref_logps": ref_logps[i][j]} if ref_logps is not None else {}
             scored = builder.add(
-                seq_ids, [(1 if score_prompt and j == 0 else p, len(seq_ids))],
-                segments=lambda u, p=p, s=s, i=i: s if u >= p else 2 * P + i,
-                completion_tokens=float(len(seq_ids) - p), **extra,
+                seq_ids, [(1, p), (p, n)] if prompt else [(p, n)],
+                segments=PerSpan((2 * P + i, 2 * i + j)) if prompt else 2 * i + j,
+                completion_tokens=float(n - p), **extra,
             )  # fmt: skip
             num_chosen += scored if j == 0 else 0
     return PairBatch(builder.build(), P, num_chosen)
