@@ -1,7 +1,9 @@
 """The run config: pydantic models, YAML loading, dotted command-line overrides.
 
-A run is described by one YAML file with five sections (`model`, `data`, `lora`, `train`) and
-two top-level keys (`output_dir`, `resume`). `load_config(path, ["train.lr=1e-4", ...])`
+A run is described by one YAML file with the sections `model`, `data`, `lora`, `train`, one
+section per objective with options (each defined beside its objective and registered in
+`slipstream.objectives.OBJECTIVES`: `preference`, `grpo`), and two top-level keys
+(`output_dir`, `resume`). `load_config(path, ["train.lr=1e-4", ...])`
 reads the file, applies the overrides (values parsed with YAML scalar rules, so `1e-4`,
 `true`, `null` and `[q_proj,v_proj]` mean what they look like), and validates.
 
@@ -24,24 +26,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from slipstream.objectives import OBJECTIVES  # names only: no torch import
-
-
-class _Section(BaseModel):
-    # extra="forbid" is a backstop: unknown keys are caught earlier, with a suggestion.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _opt(default: Any, meaning: str, **rules: Any) -> Any:
-    """A config field: its default, one line of meaning (`slipstream config` prints it), rules."""
-    return Field(default, description=meaning, **rules)
+from slipstream.config_section import Section as _Section
+from slipstream.config_section import option as _opt
+from slipstream.objectives import (  # names and sections only: no torch import
+    OBJECTIVES,
+    objective_sections,
+    section_key,
+)
 
 
 class ModelSection(_Section):
@@ -209,75 +207,18 @@ class TrainSection(_Section):
         return value
 
 
-class PreferenceSection(_Section):
-    """train.objective = dpo | orpo | simpo (slipstream/objectives/preference.py)."""
-
-    beta: float = _opt(0.1, "DPO's KL weight (IPO's tau); ORPO's lambda; SimPO's beta", gt=0)
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = _opt("sigmoid", "DPO's loss")
-    label_smoothing: float = _opt(0.0, "conservative DPO / SimPO", ge=0, lt=0.5)
-    simpo_gamma: float = _opt(0.5, "SimPO's target margin")
-    # DPO's reference with LoRA: start = the starting adapter, frozen (the base when the
-    # adapter is fresh); base = the model with adapters disabled. Full fine-tuning: a copy.
-    reference: Literal["start", "base"] = _opt(
-        "start", "DPO's reference: the starting adapter frozen, or the base (adapters off)"
-    )
-    # Compute the reference log-probs of every pair once before training (no frozen copy
-    # of the model kept with full fine-tuning; no reference forward per step).
-    precompute_reference: bool = _opt(False, "reference log-probs once, before training")
-
-
-class GRPOSection(_Section):
-    """train.objective = grpo (slipstream/objectives/grpo.py; docs/grpo.md)."""
-
-    num_generations: int = _opt(8, "G: completions sampled per prompt (a group)", ge=2)
-    max_prompt_tokens: int = _opt(256, "longest prompt; longer ones follow data.overlong", gt=0)
-    max_completion_tokens: int = _opt(256, "most tokens generated per completion", gt=0)
-    temperature: float = _opt(1.0, "sampling temperature (log-probs use the same)", gt=0)
-    top_p: float = _opt(1.0, "nucleus sampling", gt=0, le=1)
-    epsilon: float = _opt(0.2, "clip range of the ratio: [1 - epsilon, 1 + epsilon_high]", gt=0)
-    epsilon_high: float | None = _opt(None, "upper clip (DAPO's clip-higher); null: epsilon", gt=0)
-    beta: float = _opt(0.0, "KL weight (k3 estimator) against the reference; 0: no KL", ge=0)
-    reference: Literal["start", "base"] = _opt(
-        "start", "KL reference with LoRA: the starting adapter frozen, or the base"
-    )
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] = _opt(
-        "dapo", "dapo: token mean over the global batch; grpo: per-sequence means; dr_grpo"
-    )
-    scale_rewards: Literal["group", "batch", "none"] = _opt(
-        "group", "advantages divided by the group's, the batch's or no reward std"
-    )
-    mask_truncated_completions: bool = _opt(False, "completions cut at the limit get no loss")
-    iterations_per_batch: int = _opt(1, "mu: optimizer steps per rollout (importance ratio)", ge=1)
-    rewards: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="reward functions: [{function: accuracy | file.py:name, weight: 1.0}, ...]",
-    )
-
-
-class RunConfig(_Section):
-    model: ModelSection = Field(description="the checkpoint to fine-tune")
-    data: DataSection = Field(description="training and eval data")
-    lora: LoraSection = Field(LoraSection(), description="adapters or full fine-tuning")
-    train: TrainSection = Field(TrainSection(), description="the loop")
-    preference: PreferenceSection = Field(
-        PreferenceSection(), description="dpo | orpo | simpo objectives' settings"
-    )
-    grpo: GRPOSection = Field(GRPOSection(), description="the grpo objective's settings")
-    output_dir: str = Field(description="where the run writes its results")
-    resume: bool | str = _opt(
-        False,
-        "true: the latest checkpoint in output_dir (an error if none); auto: the latest if "
-        "any, else start fresh; false: start fresh; or a checkpoint path",
-    )
+class _Run(_Section):
+    """The run config's top level and its rules across sections; `RunConfig` is this with the
+    sections as fields, the registered objectives' own among them (`_compose`)."""
 
     @model_validator(mode="after")
-    def _best_needs_eval_data(self) -> RunConfig:
+    def _best_needs_eval_data(self) -> _Run:
         if self.train.save_best and self.data.eval is None and not self.data.eval_fraction:
             raise ValueError("train.save_best needs eval data: set data.eval or data.eval_fraction")
         return self
 
     @model_validator(mode="after")
-    def _embeddings_need_lora(self) -> RunConfig:
+    def _embeddings_need_lora(self) -> _Run:
         if self.lora.train_embeddings and self.lora.method == "full":
             raise ValueError(
                 "lora.train_embeddings is for lora.method=lora (full trains every weight)"
@@ -290,21 +231,37 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _grpo_fits(self) -> RunConfig:
-        if self.train.objective != "grpo":
-            return self
-        g, t = self.grpo, self.train
-        if not g.rewards:
-            raise ValueError("train.objective=grpo needs grpo.rewards, e.g. [{function: accuracy}]")
-        group = g.num_generations * (g.max_prompt_tokens + g.max_completion_tokens)
-        if group > t.tokens_per_batch:
-            raise ValueError(
-                f"grpo: a prompt's group of {g.num_generations} x ({g.max_prompt_tokens} + "
-                f"{g.max_completion_tokens}) = {group} tokens exceeds train.tokens_per_batch="
-                f"{t.tokens_per_batch}; raise it or lower grpo.max_prompt_tokens, "
-                "max_completion_tokens or num_generations"
-            )
+    def _objective_rules(self) -> _Run:
+        key = section_key(self.train.objective)
+        if key is not None:  # the objective's rules across sections (grpo: its group fits)
+            getattr(self, key).check_run(self)
         return self
+
+
+def _compose() -> type[_Run]:
+    """RunConfig: the run's sections, then each registered objective's (slipstream/
+    objectives/__init__.py), then the top-level keys, in this order in every dump."""
+    fields: dict[str, Any] = {
+        "model": (ModelSection, Field(description="the checkpoint to fine-tune")),
+        "data": (DataSection, Field(description="training and eval data")),
+        "lora": (LoraSection, Field(LoraSection(), description="adapters or full fine-tuning")),
+        "train": (TrainSection, Field(TrainSection(), description="the loop")),
+    }
+    for key, section in objective_sections().items():
+        fields[key] = (section, Field(section(), description=section.meaning))
+    fields["output_dir"] = (str, Field(description="where the run writes its results"))
+    fields["resume"] = (
+        bool | str,
+        _opt(
+            False,
+            "true: the latest checkpoint in output_dir (an error if none); auto: the latest if "
+            "any, else start fresh; false: start fresh; or a checkpoint path",
+        ),
+    )
+    return create_model("RunConfig", __base__=_Run, __module__=__name__, **fields)
+
+
+RunConfig = _compose()
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
@@ -368,8 +325,9 @@ def check_output_dir(output_dir: str | os.PathLike) -> Path:
     return out
 
 
-def valid_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+def valid_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
     """Every dotted key the config accepts, e.g. 'train.lr'."""
+    model = RunConfig if model is None else model
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)

@@ -300,10 +300,12 @@ def test_prompt_rows_tokenize_and_a_missing_prompt_column_is_one_line(tmp_path):
 
 
 def test_keyword_defaults_equal_the_config_sections():
-    from slipstream.config import GRPOSection
-    from slipstream.objectives.grpo import DEFAULTS
+    from slipstream.objectives.grpo_config import GRPOSection
 
-    assert GRPOSection().model_dump() == DEFAULTS
+    assert GRPO(rewards=FixedRewards()).options.model_dump() == GRPOSection().model_dump()
+    assert GRPO(rewards=FixedRewards(), beta=0.5).options.beta == 0.5
+    with pytest.raises(ValueError, match="GRPO options \\['bogus'\\]"):
+        GRPO(rewards=FixedRewards(), bogus=1)
 
 
 def test_prompt_text_parts_are_joined_and_image_parts_counted(tmp_path):

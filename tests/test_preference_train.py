@@ -107,6 +107,7 @@ def test_grad_accum_equals_one_batch(tiny):
     from transformers import AutoTokenizer
 
     from slipstream.objectives import build_objective
+    from slipstream.objectives.base import HookContext
     from slipstream.train.loop import accumulate_gradients
     from slipstream.train.setup import build_model
 
@@ -115,7 +116,7 @@ def test_grad_accum_equals_one_batch(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny[0])
     pairs, _ = objective.tokenize(pair_rows(6), tokenizer)
     model = build_model(cfg, torch.device("cpu"))
-    objective.attach(model, cfg, None, torch.device("cpu"))
+    objective.attach(HookContext(model, tokenizer, torch.device("cpu"), 0, 0, 1), None)
     with torch.no_grad():  # move off the start so policy and reference differ
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -246,9 +246,9 @@ def test_objective_supplies_the_normaliser_and_metrics(tiny_run, tmp_path, monke
     summed loss over sequences, metrics are their sums over the weight, eval goes through the
     same objective (`eval_`-prefixed, no eval_ppl), and SFT's eval loss per label times the
     labels equals its eval loss per sequence times the sequences."""
-    from slipstream.objectives import OBJECTIVES
+    from slipstream.objectives import OBJECTIVES, Entry
 
-    monkeypatch.setitem(OBJECTIVES, "per_sequence", "helpers.objectives:PerSequence")
+    monkeypatch.setitem(OBJECTIVES, "per_sequence", Entry("helpers.objectives:PerSequence"))
     records = {}
     for name in ("sft", "per_sequence"):
         raw = run_config(tiny_run, tmp_path / name, steps=2)

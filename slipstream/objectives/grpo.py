@@ -2,7 +2,7 @@
 of the shared trainer (docs/grpo.md; the formulas in grpo_loss.py; data in grpo_data.py).
 
 One optimizer step: the loop collates the step's prompt batches and hands them to
-`rollout(run, step, window)`, which
+`rollout(ctx, step, prompt_batches)` (ctx: objectives/base.py `HookContext`), which
 1. generates G completions per prompt (`generation.engine`, LoRA unmerged, eval mode, no
    grad), one prompt batch at a time, sampling seeded from (train.seed, rollout index, the
    batch's place in the step's global window): a resumed run, and the same step on any
@@ -29,13 +29,14 @@ rollout and logged through the meter's host stats (train/meter.py `add_rollout`)
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from slipstream import distributed as dist
 from slipstream.data.rows import row_columns
+from slipstream.objectives.base import HookContext, OnlineObjective
+from slipstream.objectives.grpo_config import GRPOSection
 from slipstream.objectives.grpo_data import (
     PromptBatch,
     PromptExample,
@@ -50,12 +51,11 @@ from slipstream.objectives.grpo_data import (
 from slipstream.objectives.grpo_loss import advantages, nanstd, token_losses
 from slipstream.objectives.logps import token_logps
 
-# The `grpo` config section's defaults (slipstream/config.py), for use without a RunConfig.
-DEFAULTS: dict[str, Any] = dict(
-    num_generations=8, max_prompt_tokens=256, max_completion_tokens=256, temperature=1.0,
-    top_p=1.0, epsilon=0.2, epsilon_high=None, beta=0.0, reference="start", loss_type="dapo",
-    scale_rewards="group", mask_truncated_completions=False, iterations_per_batch=1, rewards=[],
-)  # fmt: skip
+
+def rollout_seed(seed: int, index: int, position: int) -> int:
+    """The sampling seed of prompt batch `position` of the step's global window in rollout
+    `index` of a run seeded `seed` (train.seed): the same completions on any number of ranks."""
+    return ((seed * 1_000_003 + index) * 65_537 + position) % (1 << 62)
 
 
 def build_rewards(specs: list[dict]) -> Any:
@@ -65,11 +65,12 @@ def build_rewards(specs: list[dict]) -> Any:
     return build(specs)
 
 
-class GRPO:
+class GRPO(OnlineObjective):
     """The objective the trainer runs for train.objective = grpo."""
 
     name = "grpo"
     perplexity = False
+    metric_names = ("clip_ratio/region_mean", "kl")
 
     def __init__(self, cfg: Any = None, *, rewards: Any = None, **options: Any) -> None:
         """From a RunConfig (the `grpo` section), or without one from keyword options named
@@ -77,15 +78,12 @@ class GRPO:
         object (default: built from `grpo.rewards`)."""
         if cfg is not None:
             g, d, t = cfg.grpo, cfg.data, cfg.train
-            self.seed, self.budget = t.seed, t.tokens_per_batch
+            self.budget = t.tokens_per_batch
             self.data_options = dict(overlong=d.overlong, strict=d.strict)
             self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
         else:
-            unknown = set(options) - set(DEFAULTS)
-            if unknown:
-                raise ValueError(f"GRPO options {sorted(unknown)}: use {', '.join(DEFAULTS)}")
-            g = SimpleNamespace(**{**DEFAULTS, **options})
-            self.seed, self.budget = 0, 1 << 30
+            g = GRPOSection.from_options("GRPO", options)
+            self.budget = 1 << 30
             self.data_options = {}
             self.full = self.from_adapter = False
         self.options = g
@@ -97,13 +95,13 @@ class GRPO:
         self.iterations = self.mu  # the loop draws prompts once per `iterations` steps
         self._cached: tuple[int, list[RolloutBatch]] | None = None
 
-    def attach(self, model: torch.nn.Module, cfg: Any, data: Any, device: Any) -> None:
+    def attach(self, ctx: HookContext, data: Any) -> None:
         """The KL reference (beta > 0), before any data-parallel wrapping."""
         from slipstream.objectives.reference import build_reference
 
         if self.beta > 0:
             self.reference = build_reference(
-                model, full=self.full, reference=self.options.reference,
+                ctx.model, full=self.full, reference=self.options.reference,
                 from_adapter=self.from_adapter,
             )  # fmt: skip
 
@@ -130,24 +128,19 @@ class GRPO:
         return batch.weight
 
     # -- rollout ------------------------------------------------------------------------
-    def rollout(self, run: Any, step: int, window: list[PromptBatch]):
+    def rollout(self, ctx: HookContext, step: int, window: list[PromptBatch]):
         """-> (training micro-batches on the run's device, host stats of this rollout, or
         {} when the step reuses the last rollout (mu > 1))."""
         index = (step - 1) // self.mu
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1], {}
-        world, rank = dist.world_size(), dist.rank()
-        seeds = [self.rollout_seed(index, rank + world * k) for k in range(len(window))]
-        batches, stats = self.generate_batches(run.model, run.tokenizer, window, run.device,
+        world, rank = ctx.world_size, ctx.rank
+        seeds = [rollout_seed(ctx.seed, index, rank + world * k) for k in range(len(window))]
+        batches, stats = self.generate_batches(ctx.model, ctx.tokenizer, window, ctx.device,
                                                seeds=seeds)  # fmt: skip
         if self.mu > 1:  # kept for the rollout's next mu - 1 steps only
             self._cached = (index, batches)
         return batches, stats
-
-    def rollout_seed(self, index: int, position: int) -> int:
-        """The sampling seed of prompt batch `position` of the step's global window in
-        rollout `index`: the same completions on any number of ranks."""
-        return ((self.seed * 1_000_003 + index) * 65_537 + position) % (1 << 62)
 
     def generate_batches(self, model, tokenizer, window, device, *, seeds: list[int]):
         """Generate (each prompt batch with its seed), score, pack (module docstring)."""
@@ -216,21 +209,21 @@ class GRPO:
         return self.rewards(prompts, shown, columns, rows, completion_ids=list(completions))
 
     @torch.no_grad()
-    def evaluate(self, run: Any) -> dict[str, float]:
+    def evaluate(self, ctx: HookContext, examples: list, batches: list[list[int]]) -> dict:
         """Held-out eval: the mean reward (total and per function) of one greedy completion
         per eval prompt, one eval batch of prompts at a time; under torchrun each rank its
         share, gathered. `loss` is minus the mean reward, so `train.save_best` keeps the
         best-reward weights."""
         from slipstream.generation.sampling import Sampling
 
-        model, tokenizer = run.model, run.tokenizer
+        model, tokenizer = ctx.model, ctx.tokenizer
         parts = [torch.zeros(0, len(self.rewards.names))]
         # Ranks may hold one eval batch more than others: FSDP2 gathers once around them all.
         with dist.gathered_for_generation(model):
-            for batch in run.data.eval_batches[dist.rank() :: dist.world_size()]:
-                examples = [run.data.eval[i] for i in batch]
-                rows = self._complete(model, tokenizer, examples, Sampling(0.0))
-                parts.append(self.score(tokenizer, examples, [r.token_ids for r in rows], 1))
+            for batch in batches[ctx.rank :: ctx.world_size]:
+                prompts = [examples[i] for i in batch]
+                rows = self._complete(model, tokenizer, prompts, Sampling(0.0))
+                parts.append(self.score(tokenizer, prompts, [r.token_ids for r in rows], 1))
         r_SF = torch.cat([r for rank in dist.gather_objects(parts) for r in rank])
         reward = float(self.rewards.total(r_SF).nanmean())
         per_function = {

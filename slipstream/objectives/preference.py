@@ -32,11 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.data.rows import row_columns
+from slipstream.objectives.base import HookContext, Objective
 from slipstream.objectives.logps import segment_sums, token_logps
 from slipstream.objectives.pairs import PairExample, check_pair_columns, collate_pairs
+from slipstream.objectives.preference_config import PreferenceSection
 from slipstream.objectives.reference import adapters_disabled, build_reference
 
 OBJECTIVES = ("dpo", "orpo", "simpo")
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                  "logps/chosen", "logps/rejected")  # fmt: skip
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def dpo_losses(
@@ -101,40 +106,41 @@ def orpo_odds(
     return -beta * F.logsigmoid(log_odds), log_odds, beta * a_c.detach(), beta * a_r.detach()
 
 
-class Preference:
+class Preference(Objective):
     """The objective the trainer runs for train.objective = dpo | orpo | simpo."""
 
     perplexity = False
 
     def __init__(self, cfg: Any = None, *, name: str = "dpo", **options: Any) -> None:
         """From a RunConfig (`train.objective`, the `preference` section, data options), or,
-        without one, from keyword options (beta, loss_type, label_smoothing, simpo_gamma)."""
+        without one, from keyword options named as the section's keys."""
         self.reference = None  # set by attach(): a ReferencePolicy, or None (precomputed)
         if cfg is None:
             self.name = name
-            self.beta = options.get("beta", 0.1)
-            self.loss_type = options.get("loss_type", "sigmoid")
-            self.label_smoothing = options.get("label_smoothing", 0.0)
-            self.gamma = options.get("simpo_gamma", 0.5)
+            p = PreferenceSection.from_options("Preference", options)
             self.data_options: dict[str, Any] = {"max_tokens": 1 << 30}
-            return
-        p, d, t = cfg.preference, cfg.data, cfg.train
-        self.name = t.objective
+            self.full = self.from_adapter = False
+        else:
+            p, d, t = cfg.preference, cfg.data, cfg.train
+            self.name = t.objective
+            # Each sequence of a pair within max_tokens; both together within the batch budget.
+            self.data_options = dict(
+                max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
+                overlong=d.overlong, strict=d.strict,
+            )  # fmt: skip
+            self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
+        self.options = p
         self.beta, self.loss_type = p.beta, p.loss_type
         self.label_smoothing, self.gamma = p.label_smoothing, p.simpo_gamma
-        # Each sequence of a pair within max_tokens; both together within the batch budget.
-        self.data_options = dict(
-            max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
-            overlong=d.overlong, strict=d.strict,
-        )  # fmt: skip
+        self.metric_names = REWARD_METRICS + (ORPO_METRICS if self.name == "orpo" else ())
 
-    def attach(self, model: torch.nn.Module, cfg: Any, data: Any, device: Any) -> None:
+    def attach(self, ctx: HookContext, data: Any) -> None:
         """Before training (and before any data-parallel wrapping): DPO's reference policy
         (objectives/reference.py), or its log-probs precomputed once for every pair."""
         if self.name != "dpo":
             return
-        p, full = cfg.preference, cfg.lora.method == "full"
-        from_adapter = cfg.model.adapter is not None
+        p, full, from_adapter, model = self.options, self.full, self.from_adapter, ctx.model
+        device = ctx.device
         if not p.precompute_reference:
             self.reference = build_reference(
                 model, full=full, reference=p.reference, from_adapter=from_adapter
@@ -187,7 +193,7 @@ class Preference:
         if batch.ref_logps is not None:
             return batch.ref_logps
         if self.reference is None:
-            raise RuntimeError("DPO needs a reference policy: call attach(model) first")
+            raise RuntimeError("DPO needs a reference policy: call attach(ctx, data) first")
         with self.reference.active() as ref_model:
             return self.sequence_logps(ref_model, batch)[: 2 * batch.num_pairs]
 

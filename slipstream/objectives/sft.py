@@ -14,12 +14,15 @@ from typing import Any
 
 import torch
 
+from slipstream.objectives.base import Objective
 
-class SFT:
+
+class SFT(Objective):
     """Labelled-token cross-entropy over packed chat or text examples."""
 
     name = "sft"
     perplexity = True
+    metric_names = ("aux_loss",)  # MoE models in training only
 
     def __init__(self, cfg: Any = None) -> None:
         """`cfg` (a RunConfig) sets the tokenizing options; without one only the loss side

@@ -62,7 +62,7 @@ def run_steps(run: Run) -> dict[str, Any]:
         run.eval_before = eval_point(run, meter, 0)
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
     # An objective with a rollout (GRPO) trains `iterations` steps on one window's prompts.
-    repeat = getattr(objective, "iterations", 1)
+    repeat = objective.iterations
     start = run.start_step // repeat * run.per_step
     stream = micro_batch_stream(len(run.data.train_batches), t.seed, start)
     window: list[Any] = []
@@ -76,8 +76,8 @@ def run_steps(run: Run) -> dict[str, Any]:
                 window = [collate_batch(run, run.data.train, run.data.train_batches[i])
                           for i in mine[dist.rank() :: dist.world_size()]]  # fmt: skip
             batches = window
-            if hasattr(objective, "rollout"):  # online generation (GRPO): prompts -> sequences
-                batches, rollout = objective.rollout(run, step, window)
+            if objective.online:  # generation (GRPO): prompt batches -> sequences
+                batches, rollout = objective.rollout(run.context, step, window)
                 meter.add_rollout(rollout)
             weight = sum(objective.weight(b) for b in batches)
             loss, metrics = accumulate_gradients(
@@ -166,8 +166,8 @@ def evaluate(run: Run) -> dict[str, float]:
     losses, metrics and weights: the same numbers as one process, in 1/world of the time.
     """
     model, objective, device = run.model, run.objective, run.device
-    if hasattr(objective, "evaluate"):
-        return objective.evaluate(run)
+    if objective.online:
+        return objective.evaluate(run.context, run.data.eval, run.data.eval_batches)
     was_training = model.training
     model.eval()
     total, metrics, count = torch.zeros((), device=device), {}, 0

@@ -30,6 +30,7 @@ class StepMeter:
         self.device, self.world = run.device, dist.world_size()
         self.log_every, self.total_steps = t.log_every, run.total_steps
         self.perplexity = run.objective.perplexity
+        self.metric_names = set(run.objective.metric_names)
         self.guard = run.guard
         config = run.cfg.model_dump(mode="json")
         self.log = MetricsLog(
@@ -51,6 +52,10 @@ class StepMeter:
 
     def add(self, window: list[Any], weight: int, loss: torch.Tensor, metrics: dict) -> None:
         """One window of this rank: `weight` a host int, `loss` and `metrics` device sums."""
+        unknown = metrics.keys() - self.metric_names
+        if unknown:  # the names are the objective's contract (objectives/base.py)
+            raise RuntimeError(f"objective returned metrics {sorted(unknown)} that its "
+                               f"metric_names {sorted(self.metric_names)} lack")  # fmt: skip
         self.loss += loss
         for name, value in metrics.items():
             self.metrics.setdefault(name, torch.zeros((), device=self.device)).add_(value)

@@ -20,6 +20,7 @@ from slipstream.checkpoint.tokenizer import load_tokenizer
 from slipstream.config import RunConfig, check_output_dir
 from slipstream.device import resolve_device
 from slipstream.objectives import build_objective
+from slipstream.objectives.base import HookContext, Objective
 from slipstream.sources import check_adapter_dir
 from slipstream.train.fixed_settings import check_resume_settings, say_adapter_overrides
 from slipstream.train.meter import StepMeter
@@ -59,7 +60,8 @@ class Run:
     cfg: RunConfig
     out: Path
     device: torch.device
-    objective: Any
+    objective: Objective
+    context: HookContext  # what the objective's hooks see of the run
     tokenizer: Any
     data: RunData
     model: torch.nn.Module
@@ -115,8 +117,8 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
 
         dist.print_main(f"slipstream: {set_threads(t.threads)} on the CPU")
     model = model if model is not None else build_model(cfg, device, tokenizer)
-    if hasattr(objective, "attach"):  # e.g. DPO's reference policy, before any sharding
-        objective.attach(model, cfg, data, device)
+    context = HookContext(model, tokenizer, device, t.seed, dist.rank(), world)
+    objective.attach(context, data)  # e.g. DPO's reference policy, before any sharding
     ddp = dist.wrap_model(model, mode, device)
     if world > 1:
         dist.print_main(f"slipstream: {world} processes, parallel={mode}, device={device.type}")
@@ -129,7 +131,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     )  # fmt: skip
     epochs = t.epochs if t.epochs is not None else 1.0
     per_step = t.grad_accum * world
-    repeat = getattr(objective, "iterations", 1)  # GRPO: steps per window of prompts
+    repeat = objective.iterations  # GRPO: steps per draw of prompts
     total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step) * repeat
     warmup = warmup_steps_for(t.warmup_steps, total_steps)
     if warmup >= total_steps:
@@ -141,8 +143,8 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     scheduler = build_schedule(
         optimizer, schedule=t.schedule, warmup_steps=warmup, total_steps=total_steps
     )
-    run = Run(cfg, out, device, objective, tokenizer, data, model, ddp, optimizer, scheduler,
-              total_steps, per_step, report_to)  # fmt: skip
+    run = Run(cfg, out, device, objective, context, tokenizer, data, model, ddp, optimizer,
+              scheduler, total_steps, per_step, report_to)  # fmt: skip
     run.guard = NonFiniteGuard(optimizer, device, limit=t.skip_nonfinite)
     if checkpoint is not None:
         resume(run, checkpoint)

@@ -11,6 +11,7 @@ from slipstream.objectives.sft import SFT
 class PerSequence(SFT):
     name = "per_sequence"
     perplexity = False
+    metric_names = ("seqs", "seq_tokens")
 
     def weight(self, batch) -> int:
         return len(batch.seq.lengths)
