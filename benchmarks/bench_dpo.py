@@ -11,7 +11,7 @@ optimizer step per batch of `--pairs` pairs.
 - TRL: its collator pads the 2P sequences to the longest, its loss (`compute_loss`) runs the
   policy and the reference forward with the fused LM head; then backward and the step. No
   gradient checkpointing, float32 (bf16=False), dropout off (its default).
-- ours: the pairs packed without padding (`Preference.collate`), `micro_batch_loss` (policy
+- ours: the pairs packed without padding (`PairObjective.collate`), `micro_batch_loss` (policy
   forward, reference forward with adapters swapped out, segment sums), backward, step.
 tokens/s counts real (unpadded) tokens of both sequences of every pair, per optimizer step.
 
@@ -75,7 +75,7 @@ def run(pairs_per_step: int, steps: int, random_layers: int | None) -> dict:
 
     from slipstream.data.chitchat import chitchat_pairs
     from slipstream.objectives.pairs import tokenize_pairs
-    from slipstream.objectives.preference import Preference
+    from slipstream.objectives.preference import pair_objective
     from slipstream.objectives.reference import ReferencePolicy
     from slipstream.peft.lora import apply_lora
 
@@ -127,7 +127,7 @@ def run(pairs_per_step: int, steps: int, random_layers: int | None) -> dict:
 
     # ours
     apply_lora(ours, rank=16, alpha=32, targets="all-linear")
-    objective = Preference(name="dpo", beta=0.1)
+    objective = pair_objective("dpo", beta=0.1)
     objective.reference = ReferencePolicy(ours, "base")
     ours.train()
     opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-5)

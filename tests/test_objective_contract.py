@@ -109,3 +109,29 @@ def test_run_config_is_composed_from_the_registry(monkeypatch):
         config.config_from_dict({**raw, "toy": {"strenght": 1.0}})
     # The rule is the objective's own: another objective's run does not apply it.
     config.config_from_dict({**raw, "train": {"objective": "sft"}, "toy": {"strength": 1e3}})
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_every_registered_objective_meets_the_contract(name):
+    """Each registry line builds an objective that passes the check, named as its line."""
+    from slipstream.config import config_from_dict
+
+    raw = {"model": {"path": "m"}, "data": {"train": "d.jsonl"}, "output_dir": "o",
+           "train": {"objective": name},
+           "grpo": {"rewards": [{"function": "accuracy"}]}}  # fmt: skip
+    objective = build_objective(config_from_dict(raw))
+    assert objective.name == name
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_builds_the_class_of_its_loss_type(loss_type):
+    """One pair objective, a subclass per loss: preference.loss_type picks DPO's."""
+    from slipstream.config import config_from_dict
+    from slipstream.objectives.preference import DPO_LOSSES, PairObjective, pair_objective
+
+    raw = {"model": {"path": "m"}, "data": {"train": "d.jsonl"}, "output_dir": "o",
+           "train": {"objective": "dpo"}, "preference": {"loss_type": loss_type}}  # fmt: skip
+    objective = build_objective(config_from_dict(raw))
+    assert type(objective) is DPO_LOSSES[loss_type] and isinstance(objective, PairObjective)
+    assert type(pair_objective("dpo", loss_type=loss_type)) is DPO_LOSSES[loss_type]
+    assert len({DPO_LOSSES[t].pair_loss for t in DPO_LOSSES}) == 3  # each its own loss

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from slipstream.debug import count_syncs
 from slipstream.objectives.pairs import check_pair_columns, extract_prompt, tokenize_pairs
-from slipstream.objectives.preference import Preference, dpo_losses
+from slipstream.objectives.preference import dpo_losses, pair_objective
 from slipstream.objectives.reference import ReferencePolicy
 from slipstream.ops.loss import linear_token_logps
 from slipstream.peft.lora import apply_lora
@@ -114,7 +114,7 @@ def test_sft_data_with_a_preference_objective_is_one_line(tiny):
         check_pair_columns(["messages"], "dpo", "data source 'chats.jsonl'")
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     with pytest.raises(ValueError, match=r"columns: \['messages'\]"):
-        Preference(name="orpo").tokenize([{"messages": []}], tokenizer)
+        pair_objective("orpo").tokenize([{"messages": []}], tokenizer)
 
 
 def test_preference_data_with_sft_is_one_line():
@@ -145,7 +145,7 @@ def test_packed_pairs_equal_one_at_a_time(tiny, name):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     pairs, _ = tokenize_pairs(_rows(4), tokenizer, max_tokens=512)
     model = _model(tiny)
-    objective = Preference(name=name)
+    objective = pair_objective(name)
     objective.reference = ReferencePolicy(model, "base")
     batch = objective.collate(pairs)
     seg = objective.sequence_logps(model, batch).detach()
@@ -172,7 +172,7 @@ def test_reference_policies(tiny):
     pairs, _ = tokenize_pairs(_rows(3), tokenizer, max_tokens=512)
     plain = _model(tiny, lora=False)
     model = _model(tiny)
-    objective = Preference(name="dpo")
+    objective = pair_objective("dpo")
     batch = objective.collate(pairs)
     want_base = objective.sequence_logps(plain, batch)[:6]
     start_logps = objective.sequence_logps(model, batch)[:6].detach()
@@ -215,7 +215,7 @@ def test_dpo_step_has_no_host_syncs(tiny):
     pairs, _ = tokenize_pairs(_rows(3), tokenizer, max_tokens=512)
     model = _model(tiny)
     for name in ("dpo", "orpo", "simpo"):
-        objective = Preference(name=name)
+        objective = pair_objective(name)
         objective.reference = ReferencePolicy(model, "base")
         batch = objective.collate(pairs)
         with count_syncs() as syncs:

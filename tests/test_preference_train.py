@@ -169,10 +169,10 @@ def test_wrong_kind_of_data_is_one_line(tiny, tmp_path, capsys):
 def test_eval_keeps_no_autograd_graph(tiny, tmp_path, monkeypatch):
     """A DPO eval holds no graph (the reference forward is no_grad anyway; the policy's was
     not, and the eval total kept all of them: 19 GB at step 0 on SmolLM2-135M)."""
-    from slipstream.objectives.preference import Preference
+    from slipstream.objectives.preference import PairObjective
 
     seen = []
-    loss_of = Preference.micro_batch_loss
+    loss_of = PairObjective.micro_batch_loss
 
     def recording(self, model, batch):
         training = model.training  # the reference forward flips it inside
@@ -180,7 +180,7 @@ def test_eval_keeps_no_autograd_graph(tiny, tmp_path, monkeypatch):
         seen.append((training, loss.requires_grad))
         return loss, metrics
 
-    monkeypatch.setattr(Preference, "micro_batch_loss", recording)
+    monkeypatch.setattr(PairObjective, "micro_batch_loss", recording)
     train(config_from_dict(dpo_config(tiny, tmp_path / "dpo", steps=1)))
     assert {grad for training, grad in seen if training} == {True}
     assert {grad for training, grad in seen if not training} == {False}

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from slipstream.checkpoint.adapter import load_adapter
 from slipstream.checkpoint.hf import load_model
 from slipstream.objectives.pairs import tokenize_pairs
-from slipstream.objectives.preference import Preference
+from slipstream.objectives.preference import pair_objective
 from slipstream.objectives.reference import ReferencePolicy
 
 trl = pytest.importorskip("trl")
@@ -109,7 +109,7 @@ def _load_peft_weights(model, adapter_dir):
 def _ours(root, name, reference="start", **options):
     model = load_model(str(root / "model"))
     load_adapter(model, root / "start")
-    objective = Preference(name=name, **options)
+    objective = pair_objective(name, **options)
     if name == "dpo":
         objective.reference = ReferencePolicy(model, reference)
     load_adapter(model, root / "trained")  # after the snapshot, as training moves it
@@ -243,7 +243,7 @@ def test_orpo_simpo_match_trl(setup, name, kind):
 
     model = load_model(str(setup / "model"))
     load_adapter(model, setup / "trained")
-    objective = Preference(name=name, beta=0.2, simpo_gamma=0.7,
+    objective = pair_objective(name, beta=0.2, simpo_gamma=0.7,
                            label_smoothing=0.1 if name == "simpo" else 0.0)  # fmt: skip
     P = len(pairs)
     loss_sum, ours = objective.micro_batch_loss(model, objective.collate(pairs))

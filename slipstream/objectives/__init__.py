@@ -26,9 +26,9 @@ _GRPO = "slipstream.objectives.grpo_config:GRPOSection"
 
 OBJECTIVES: dict[str, Entry] = {
     "sft": Entry("slipstream.objectives.sft:SFT"),
-    "dpo": Entry("slipstream.objectives.preference:Preference", _PREFERENCE),
-    "orpo": Entry("slipstream.objectives.preference:Preference", _PREFERENCE),
-    "simpo": Entry("slipstream.objectives.preference:Preference", _PREFERENCE),
+    "dpo": Entry("slipstream.objectives.preference:dpo", _PREFERENCE),
+    "orpo": Entry("slipstream.objectives.preference:ORPO", _PREFERENCE),
+    "simpo": Entry("slipstream.objectives.preference:SimPO", _PREFERENCE),
     "grpo": Entry("slipstream.objectives.grpo:GRPO", _GRPO),
 }
 
