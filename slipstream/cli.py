@@ -1,4 +1,4 @@
-"""The `slipstream` command: train, preview, config, demo, export, generate, chat, bench
+"""The `slipstream` command: train, preview, config, demo, export, push, generate, chat, bench
 (`slipstream COMMAND --help` for each one's arguments; README.md for worked examples).
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the LoRA alone as a GGUF LoRA (llama.cpp --lora)")  # fmt: skip
     p.set_defaults(run=cmd_export)
 
+    from slipstream.share.command import add_push_command
+
+    add_push_command(sub)
     add_generation_commands(sub)
 
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
@@ -208,28 +211,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         return cmd_export_gguf(args)
     if not args.out:
         raise ValueError("export to the HF layout needs --out DIR (or --gguf TYPE)")
-    from slipstream.sources import adapter_base, check_adapter_dir, check_model_path
+    from slipstream.checkpoint.merge_adapter import merge_adapter_dir
 
-    adapter = check_adapter_dir(args.adapter_dir, "export")
-    base = args.base or adapter_base(adapter)
-    check_model_path(base, "--base" if args.base else f"export: the base in {adapter}")
-    from slipstream.checkpoint.export import check_out_dir
-
-    out = check_out_dir(args.out, args.force, reads=(adapter, Path(base)))  # before loading
-    from slipstream.checkpoint.adapter import load_adapter, tokenizer_source
-    from slipstream.checkpoint.hf import load_model
-    from slipstream.checkpoint.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_source(adapter, base))
-    model = load_model(base)
-    load_adapter(model, adapter)
-    return _export_merged(model, out, tokenizer, args.force)
+    return _say_merged(merge_adapter_dir(args.adapter_dir, args.out, args.base, args.force))
 
 
 def _export_merged(model: Any, out: Path, tokenizer: Any, force: bool) -> int:
     from slipstream.checkpoint.export import export_merged
 
-    out = export_merged(model, out, tokenizer=tokenizer, force=force)  # whole, or not at all
+    return _say_merged(export_merged(model, out, tokenizer=tokenizer, force=force))
+
+
+def _say_merged(out: Path) -> int:
     note = json.loads((out / "export_summary.json").read_text())["note"]
     print(f"slipstream: merged model written to {out} ({note})")
     return 0
