@@ -173,6 +173,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         status = f"interrupted by {stopped_by} at step {summary['steps']}"
     if is_main():  # under torchrun, one line for the job rather than one per process
         print(f"slipstream: {status}; output in {cfg.output_dir}")
+        if summary.get("pushed"):
+            print(f"slipstream: pushed to {summary['pushed']}")
     if summary["status"] == "interrupted":  # as shells and schedulers expect: 128 + signal
         import signal
 

@@ -180,6 +180,17 @@ class TrainSection(_Section):
         None, "metrics also to tensorboard, wandb; unset: tensorboard when installed"
     )
     save_best: bool = _opt(False, "keep the best-eval checkpoint (eval_every) beside the latest")
+    push_to_hub: str | None = _opt(
+        None, "a Hub repo id (NAME or NAMESPACE/NAME): push the result there when the run completes"
+    )
+    push_private: bool = _opt(False, "push_to_hub makes a new repo private")
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _hub_repo_id(cls, value: str | None) -> str | None:
+        from slipstream.share.upload import check_repo_id
+
+        return value if value is None else check_repo_id(value, "push_to_hub")
 
     @field_validator("report_to", mode="before")
     @classmethod

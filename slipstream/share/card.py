@@ -193,11 +193,12 @@ def _training(config: dict[str, Any], summary: dict[str, Any], staged: list[str]
         rows.append(("optimizer steps", f"{summary['steps']:,}"))
     if summary.get("tokens_trained") is not None:
         rows.append(("tokens trained", f"{summary['tokens_trained']:,}"))
-    if t:
-        rows.append(("learning rate", f"{t.get('lr')} ({t.get('schedule')}, warmup "
-                     f"{t.get('warmup_steps')})"))  # fmt: skip
-        rows.append(("batch", f"{t.get('tokens_per_batch'):,} tokens a micro-batch (packed) x "
-                     f"{t.get('grad_accum')} accumulated"))  # fmt: skip
+    if t.get("lr") is not None:
+        rows.append(("learning rate", f"{t['lr']} ({t.get('schedule', 'cosine')}, warmup "
+                     f"{t.get('warmup_steps', 0)})"))  # fmt: skip
+    if t.get("tokens_per_batch") is not None:
+        rows.append(("batch", f"{t['tokens_per_batch']:,} tokens a micro-batch (packed) x "
+                     f"{t.get('grad_accum', 1)} accumulated"))  # fmt: skip
     if summary.get("seconds") is not None:
         rows.append(("time", f"{summary['seconds']:.0f} s on {summary.get('device', '?')}"))
     lines = ["## Training\n", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]

@@ -41,7 +41,7 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
     # One run per output dir: its lock is held until this returns or raises (train/lock.py).
     with OutputDirLock(cfg.output_dir):
         try:
-            return run_steps(prepare_run(cfg, model=model, tokenizer=tokenizer))
+            summary = run_steps(prepare_run(cfg, model=model, tokenizer=tokenizer))
         except BaseException as e:
             # Every end but a completed one (that one leaves the group with every rank, in
             # finish_run): an error, a signal, an exception on this rank. What the run made
@@ -52,6 +52,12 @@ def train(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> dict[s
             traceback.clear_frames(e.__traceback__)
             dist.release_wrappers()
             raise
+    repo = cfg.train.push_to_hub
+    if repo and summary["status"] == "completed" and dist.is_main():  # train.push_to_hub
+        from slipstream.share.push import push_trained
+
+        summary["pushed"] = push_trained(cfg.output_dir, repo, cfg.train.push_private)["url"]
+    return summary
 
 
 def run_steps(run: Run) -> dict[str, Any]:

@@ -91,6 +91,10 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     if checkpoint is not None:
         check_resume_settings(cfg, checkpoint)
     report_to = resolve_report_to(t.report_to) if dist.is_main() else []
+    if t.push_to_hub and dist.is_main():  # a missing token is said now, not after the run
+        from slipstream.share.upload import check_push
+
+        check_push(t.push_to_hub, "train.push_to_hub")
     device = dist.init(resolve_device(t.device), timeout_s=t.dist_timeout_s)
     if device.type == "cuda":  # the current device: streams, RNG state, compiled kernels
         torch.cuda.set_device(device)
