@@ -80,7 +80,7 @@ def hub_datasets(config: dict[str, Any]) -> list[str]:
         sources = d.get(key) or []
         for s in [sources] if isinstance(sources, str) else sources:
             local = Path(s).expanduser().exists() or Path(s).suffix.lower() in DATA_SUFFIXES
-            if isinstance(s, str) and not local and is_hub_id(s) and s not in found:
+            if not local and is_hub_id(s) and s not in found:
                 found.append(s)
     return found
 
@@ -148,9 +148,11 @@ def _usage(repo_id: str, base: Base, kind: str, ggufs: list[str]) -> str:
         lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                   f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
                   f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")']  # fmt: skip
-    lines += ["```", "", "With slipstream (downloaded first, e.g. `hf download "
-              f"{repo_id} --local-dir {repo_id.rpartition('/')[2]}`):", "", "```bash",
-              f"slipstream chat {repo_id.rpartition('/')[2]}", "```"]  # fmt: skip
+    lines.append("```")
+    if kind != "adapter" or base.hub_id:  # an adapter on a local base: that base is not here
+        name = repo_id.rpartition("/")[2]
+        lines += ["", f"With slipstream: `hf download {repo_id} --local-dir {name}`, then",
+                  "", "```bash", f"slipstream chat {name}", "```"]  # fmt: skip
     if ggufs:
         lines += ["", f"GGUF files (llama.cpp, Ollama; `{GGUF_IN_REPO}/`): "
                   + ", ".join(f"`{Path(g).name}`" for g in ggufs) + ".", "", "```bash"]  # fmt: skip
