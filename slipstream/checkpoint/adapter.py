@@ -68,14 +68,21 @@ def _lora_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(
-    model: nn.Module, dir: str | os.PathLike, base_model_name_or_path: str | None = None
+    model: nn.Module,
+    dir: str | os.PathLike,
+    base_model_name_or_path: str | None = None,
+    *,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    extra_config: dict | None = None,
+    extra_metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write adapter_config.json + adapter_model.safetensors in PEFT's layout; returns dir.
 
     The base recorded is `base_model_name_or_path`, else the one `load_model` noted: the hub
     id when one is known (a GGUF file's source checkpoint), so peft loads it; where slipstream
     loaded it from (a built-in name, a .gguf path) goes in the weights file's metadata under
-    `slipstream.base_model`, read back by `slipstream.sources.adapter_base`."""
+    `slipstream.base_model`, read back by `slipstream.sources.adapter_base`. `extra_*`: what a
+    caller adds (a reward model's head under modules_to_save: checkpoint/reward_model.py)."""
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise ValueError("save_adapter: the model has no LoRA; call apply_lora(model) first")
@@ -91,7 +98,8 @@ def save_adapter(
     unwrapped = [name for name, *_ in linear_children(model)]
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
-    metadata = {"format": "pt", VOCAB_KEY: str(model.config.vocab_size)}
+    tensors.update(extra_tensors or {})
+    metadata = {"format": "pt", VOCAB_KEY: str(model.config.vocab_size), **(extra_metadata or {})}
     source = getattr(model, "source", None)
     if source and source != base_model_name_or_path:
         metadata[SOURCE_KEY] = str(source)
@@ -126,6 +134,10 @@ def save_adapter(
     }
     if cfg.get("target_parameters"):  # only then: older PEFT versions lack the key
         config["target_parameters"] = cfg["target_parameters"]
+    extra = dict(extra_config or {})
+    if extra.get("modules_to_save"):  # beside the trained embeddings' own
+        extra["modules_to_save"] = [*(config["modules_to_save"] or []), *extra["modules_to_save"]]
+    config.update(extra)
     try:
         atomic_write(out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, p, metadata=metadata))
         text = json.dumps(config, indent=2) + "\n"
@@ -161,7 +173,7 @@ def tokenizer_source(adapter: Path, base: str) -> str:
     return str(adapter) if any(adapter.glob("tokenizer*")) else base
 
 
-def _read_adapter_config(path: Path) -> dict:
+def _read_adapter_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> dict:
     if not path.is_file():
         raise ValueError(f"{path} not found: not a PEFT adapter directory")
     try:
@@ -173,16 +185,23 @@ def _read_adapter_config(path: Path) -> dict:
     for key in ("r", "lora_alpha"):
         if key not in cfg:
             raise ValueError(f"{path}: no {key!r}: not a LoRA adapter config")
+    if modules_to_save and cfg.get("modules_to_save"):
+        left = [m for m in cfg["modules_to_save"] if m not in modules_to_save]
+        cfg = {**cfg, "modules_to_save": left or None}
     check_keys(cfg, path)
     adapter_embeddings(cfg, path)  # its trained embeddings: a form slipstream has
     return cfg
 
 
-def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
+def load_adapter(
+    model: nn.Module, dir: str | os.PathLike, *, modules_to_save: tuple[str, ...] = ()
+) -> nn.Module:
     """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
-    Expert factors (`target_parameters` on a MoE model) load in the same pass."""
+    Expert factors (`target_parameters` on a MoE model) load in the same pass.
+    `modules_to_save`: modules of the adapter's modules_to_save that the caller loads itself
+    (a reward model's `score` head); their tensors are left alone here."""
     src = Path(dir)
-    config = _read_adapter_config(src / ADAPTER_CONFIG)
+    config = _read_adapter_config(src / ADAPTER_CONFIG, modules_to_save)
     _apply_adapter_config(model, config, src)
     weights_path = src / ADAPTER_WEIGHTS
     if not weights_path.is_file():
@@ -192,8 +211,9 @@ def load_adapter(model: nn.Module, dir: str | os.PathLike) -> nn.Module:
     expected = {**_lora_tensors(model), **embedding_tensors(model)}
     has_experts = bool(model.lora_config.get("target_parameters"))
     expert_keys = set(expert_lora_factors(model)) if has_experts else set()
+    own = {f"{PEFT_PREFIX}{m}.weight" for m in modules_to_save}
     for key in tensors:
-        if key not in expected and key not in expert_keys:
+        if key not in expected and key not in expert_keys and key not in own:
             _unexpected_key(model, key, weights_path)
     with torch.no_grad():
         for key, param in expected.items():

@@ -76,6 +76,39 @@ def load_model(
     return model
 
 
+def load_with_head(
+    folder: str | os.PathLike,
+    head: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[CausalLM, torch.Tensor]:
+    """A checkpoint whose head is not the LM head (transformers' `*ForSequenceClassification`:
+    `model.*` and `score.weight`): the backbone as a model without an LM head, and the tensor
+    named `head`. The model's config.hf stays the checkpoint's own."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    folder = _resolve_folder(Path(folder))
+    hf = read_config(folder)
+    found: dict[str, torch.Tensor] = {}
+
+    def backbone_tensors():
+        for name, tensor in _safetensors_tensors(folder):
+            if name == head:
+                found[name] = tensor
+            else:
+                yield name, tensor
+
+    # Tied: the model is built without an LM head (the checkpoint has none to load).
+    model = _load({**hf, "tie_word_embeddings": True}, backbone_tensors(), dtype, device,
+                  str(folder))  # fmt: skip
+    if head not in found:
+        raise ValueError(f"{folder}: checkpoint has no {head!r} tensor (not a reward model)")
+    model.config.hf = hf
+    model.name_or_path = model.source = str(folder)
+    return model, found[head]
+
+
 def read_config(folder: Path) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -267,19 +300,8 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any 
             f"save_model: the model still has LoRA layers ({lora[0]}); "
             "use export_merged() (or merge_lora) to fold them in first."
         )
-    shards = _shard(state)
     dtype = next(iter(state.values())).dtype
-    if len(shards) == 1:
-        _atomic_save(shards[0], out / "model.safetensors")
-    else:
-        file_of = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_save(shard, out / fname)
-            file_of.update(dict.fromkeys(shard, fname))
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": file_of}
-        atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    write_tensors(state, out)
     hf = current_config(model.config.hf, str(dtype).removeprefix("torch."))
     atomic_write_text(out / "config.json", json.dumps(hf, indent=2, sort_keys=True))
     folder = getattr(model, "checkpoint_path", None)
@@ -292,6 +314,22 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any 
             if src.is_file() and src.resolve() != (out / name).resolve():
                 atomic_write_text(out / name, src.read_text())
     return out
+
+
+def write_tensors(state: dict[str, torch.Tensor], out: Path) -> None:
+    """`state` as model.safetensors, or shards with their index past SHARD_BYTES (atomic)."""
+    shards = _shard(state)
+    if len(shards) == 1:
+        _atomic_save(shards[0], out / "model.safetensors")
+        return
+    file_of = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_save(shard, out / fname)
+        file_of.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": file_of}
+    atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
 
 
 def _shard(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
