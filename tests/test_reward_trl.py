@@ -38,8 +38,10 @@ CONVERSATIONAL = [  # explicit prompts
         "margin": 0.5,
     },
     {
-        "prompt": [{"role": "system", "content": "Be brief."},
-                   {"role": "user", "content": "Where is the sun?"}],
+        "prompt": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Where is the sun?"},
+        ],
         "chosen": [{"role": "assistant", "content": "In the sky."}],
         "rejected": [{"role": "assistant", "content": "Under the sea, I think."}],
         "margin": 0.0,
@@ -53,10 +55,16 @@ CONVERSATIONAL = [  # explicit prompts
 ]
 STANDARD = [  # implicit prompts: whole texts
     {"chosen": "The sky is blue.", "rejected": "The sky is green, they say.", "margin": 1.0},
-    {"chosen": "Hello, how are you doing today?", "rejected": "Hello, how are things",
-     "margin": 0.25},  # fmt: skip
-    {"chosen": "We went hiking in the mountains.", "rejected": "We went hiking in the sea.",
-     "margin": 0.0},  # fmt: skip
+    {
+        "chosen": "Hello, how are you doing today?",
+        "rejected": "Hello, how are things",
+        "margin": 0.25,
+    },  # fmt: skip
+    {
+        "chosen": "We went hiking in the mountains.",
+        "rejected": "We went hiking in the sea.",
+        "margin": 0.0,
+    },  # fmt: skip
 ]
 ROWS = {"conversational": CONVERSATIONAL, "standard": STANDARD}
 
@@ -117,9 +125,11 @@ def _trl_grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("options", [{}, {"margin": True, "center_rewards_coefficient": 0.05}])
 def test_reward_matches_trl(setup, kind, options):
     options = dict(options)
-    rows = ROWS[kind] if options.pop("margin", False) else [
-        {k: v for k, v in r.items() if k != "margin"} for r in ROWS[kind]
-    ]
+    rows = (
+        ROWS[kind]
+        if options.pop("margin", False)
+        else [{k: v for k, v in r.items() if k != "margin"} for r in ROWS[kind]]
+    )
     trainer = _trl_reward(setup, rows, **options)
     tokenizer = trainer.processing_class
     pairs, report = tokenize_reward_pairs(rows, tokenizer, max_tokens=1 << 20)
@@ -176,7 +186,7 @@ def test_saved_reward_models_load_in_transformers_and_peft_with_our_scores(setup
     pad = pad_id_of(tokenizer)
 
     # The adapter route: saved by us, loaded by peft on transformers' classifier.
-    save_reward_adapter(ours, tmp_path / "adapter", pad, base_model_name_or_path=str(setup / "model"))
+    save_reward_adapter(ours, tmp_path / "adapter", pad, str(setup / "model"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
     hf = peft.PeftModel.from_pretrained(_hf_classifier(setup), tmp_path / "adapter").eval()

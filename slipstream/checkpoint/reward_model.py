@@ -117,8 +117,8 @@ def load_reward_model(
     device: torch.device | str | None = None,
 ) -> nn.Module:
     """A reward model folder (full or adapter, module docstring) as a slipstream model with
-    its `score` head and `score_pad_token_id` (absent for an adapter that does not record it:
-the tokenizer's pad id then, as TRL trains); a one-line ValueError for anything else."""
+        its `score` head and `score_pad_token_id` (absent for an adapter that does not record it:
+    the tokenizer's pad id then, as TRL trains); a one-line ValueError for anything else."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         return _load_adapter(path, dtype, device)
@@ -149,7 +149,7 @@ def _load_adapter(path: Path, dtype: Any, device: Any) -> nn.Module:
         )
     weights = path / "adapter_model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
-        if ADAPTER_HEAD_KEY not in f.keys():
+        if ADAPTER_HEAD_KEY not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
             raise ValueError(f"{weights}: no {ADAPTER_HEAD_KEY} tensor: the score head is missing")
         head = f.get_tensor(ADAPTER_HEAD_KEY)
         metadata = f.metadata() or {}

@@ -44,9 +44,7 @@ def add_score_head(model: nn.Module, weight: torch.Tensor | None = None) -> nn.L
     return head
 
 
-def score_positions(
-    ids_per_seq: Sequence[Sequence[int]], pad_token_id: int | None
-) -> list[int]:
+def score_positions(ids_per_seq: Sequence[Sequence[int]], pad_token_id: int | None) -> list[int]:
     """For sequences packed one after another: the packed index of each one's scoring token,
     transformers' rule (the rightmost token != pad_token_id; the last without a pad id; the
     first when every token is the pad)."""
