@@ -1,0 +1,283 @@
+"""KTO data: TRL 1.16's unpaired preference format, tokenized as its `KTOTrainer` tokenizes it,
+and packed micro-batches that carry each example's mismatched KL sequence.
+
+Formats (columns):
+- unpaired: `prompt`, `completion`, `label` (bool: desirable or not); prompt and completion
+  both strings ("standard") or both lists of messages ("conversational");
+- paired: `chosen`, `rejected` (and optionally `prompt`; without one the shared prefix is
+  the prompt, as for DPO: objectives/pairs.py), converted as TRL's
+  `unpair_preference_dataset`: each pair gives (prompt, chosen, True) and (prompt,
+  rejected, False).
+Optional `tools` and `chat_template_kwargs` reach the chat template.
+
+Tokens, as TRL makes them: standard completions get the eos unless they end with it;
+`prompt` alone (conversations: with the generation prompt) and `prompt + completion` are
+tokenized, and the completion starts where the two first differ (`common_prefix_length`).
+Only completion tokens are scored. Over `max_tokens` an example is dropped
+(`data.overlong: drop`) or keeps its start (`truncate`, TRL's truncation); one whose prompt
+alone fills `max_tokens` is skipped, as TRL drops it.
+
+The KL estimate (TRL's): in each micro-batch of n examples, example i's KL sequence is its
+own prompt followed by the completion of example i-1 (example 0 takes example n-1's), cut to
+`max_tokens`: the mismatched pairs TRL builds by rotating completions by one within a batch.
+Over a micro-batch the KL sequences hold exactly the prompts and completions of the
+examples, so an example takes twice its tokens in the packer (`length`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slipstream.data.labels import DataReport
+from slipstream.objectives.pairs import PairRowError, _check_field, _ids, parse_pair_row
+from slipstream.ops.packing import SeqInfo, to_device
+
+UNPAIRED = ("prompt", "completion", "label")
+
+
+@dataclass
+class KTOExample:
+    """One (prompt, completion) sequence: `ids` with the completion from `prompt_len`."""
+
+    ids: list[int]
+    prompt_len: int
+    desirable: bool
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def check_kto_columns(columns: Sequence[str], source: str = "data") -> bool:
+    """True for paired data, False for unpaired; a one-line error for anything else."""
+    if "chosen" in columns and "rejected" in columns:
+        return True
+    missing = [c for c in UNPAIRED if c not in columns]
+    if missing:
+        raise ValueError(
+            f"train.objective=kto needs unpaired preference data (columns prompt, completion, "
+            f"label) or pairs (chosen, rejected); {source} has no {' or '.join(missing)} "
+            f"(columns: {sorted(columns)})"
+        )
+    return False
+
+
+def _template_kwargs(row: Mapping[str, Any], conversational: bool) -> dict:
+    if not conversational:
+        return {}
+    tools = row.get("tools")
+    kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+    kwargs.update(row.get("chat_template_kwargs") or {})
+    return kwargs
+
+
+def encode_unpaired(
+    tokenizer: Any, prompt: Any, completion: Any, desirable: bool, kwargs: dict
+) -> KTOExample:
+    """The example TRL's KTOTrainer builds from one (prompt, completion, label)."""
+    if isinstance(prompt, list) != isinstance(completion, list):
+        raise PairRowError("mixed_formats", "prompt and completion mix strings and messages")
+    if not completion:
+        raise PairRowError("empty", "the completion is empty")
+    eos = tokenizer.eos_token
+    if isinstance(completion, str) and eos and not completion.endswith(eos):
+        completion = completion + eos
+    try:
+        prompt_ids = _ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
+        ids = _ids(tokenizer, prompt + completion, kwargs)
+    except Exception as e:  # jinja's errors for roles or fields a template does not allow
+        if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
+            raise
+        first_line = str(e).splitlines()[0] if str(e) else repr(e)
+        raise PairRowError("template_error", first_line) from None
+    prompt_len = 0
+    for a, b in zip(prompt_ids, ids, strict=False):
+        if a != b:
+            break
+        prompt_len += 1
+    if prompt_len == len(ids):
+        raise PairRowError("empty", "the completion has no tokens after the prompt")
+    return KTOExample(ids, prompt_len, desirable)
+
+
+def encode_kto_row(tokenizer: Any, row: Mapping[str, Any], paired: bool) -> list[KTOExample]:
+    """One row's examples: one for an unpaired row, two (chosen, rejected) for a pair."""
+    if paired:
+        prompt, chosen, rejected, kwargs = parse_pair_row(row, None)
+        return [encode_unpaired(tokenizer, prompt, c, d, kwargs)
+                for c, d in ((chosen, True), (rejected, False))]  # fmt: skip
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise PairRowError("label", f"'label' is {label!r}; give true (desirable) or false")
+    if "prompt" not in row:
+        raise PairRowError("missing_field", "no 'prompt'")
+    prompt, completion = _check_field(row, "prompt"), _check_field(row, "completion")
+    kwargs = _template_kwargs(row, isinstance(completion, list))
+    return [encode_unpaired(tokenizer, prompt, completion, label, kwargs)]
+
+
+def tokenize_kto(
+    rows: Any,
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    overlong: str = "drop",
+    strict: bool = False,
+    first_row: int = 0,
+) -> tuple[list[KTOExample], DataReport]:
+    """Rows (a `datasets.Dataset` or list of dicts) to examples; every skip counted."""
+    if len(rows) == 0:
+        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
+    columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
+    if list(columns) == ["_json"]:
+        columns = list(json.loads(rows[0]["_json"]))
+    paired = check_kto_columns(columns)
+    report = DataReport(rows=len(rows))
+    examples: list[KTOExample] = []
+    for index, row in enumerate(rows, start=first_row):
+        if "_json" in row and len(row) == 1:
+            row = json.loads(row["_json"])
+        row = {k: v for k, v in row.items() if v is not None}
+        try:
+            encoded = encode_kto_row(tokenizer, row, paired)
+            kept = []
+            for ex in encoded:
+                if len(ex) > max_tokens:
+                    if ex.prompt_len >= max_tokens:
+                        raise PairRowError(
+                            "prompt_too_long", f"prompt fills max_tokens={max_tokens}"
+                        )
+                    if overlong == "drop":
+                        report.dropped += 1
+                        continue
+                    ex = KTOExample(ex.ids[:max_tokens], ex.prompt_len, ex.desirable)
+                    report.truncated += 1
+                kept.append(ex)
+        except PairRowError as e:
+            if strict:
+                raise ValueError(
+                    f"data row {index}: {e} (strict mode; fix or remove the row)."
+                ) from None
+            report.skipped[e.reason] += 1
+            report.first_skip = report.first_skip or f"row {index}: {e}"
+            continue
+        for ex in kept:
+            examples.append(ex)
+            report.kept += 1
+            report.tokens += len(ex)
+            report.target_tokens += len(ex) - ex.prompt_len
+    if not examples:
+        raise ValueError(f"no usable KTO examples: {report.summary()}")
+    return examples, report
+
+
+def kl_sequences(examples: Sequence[KTOExample], max_tokens: int) -> list[KTOExample]:
+    """Example i's prompt with example i-1's completion (module docstring), cut to max_tokens."""
+    out = []
+    for i, ex in enumerate(examples):
+        prev = examples[i - 1]
+        ids = (ex.ids[: ex.prompt_len] + prev.ids[prev.prompt_len :])[:max_tokens]
+        out.append(KTOExample(ids, ex.prompt_len, ex.desirable))
+    return out
+
+
+@dataclass
+class Stream:
+    """Packed sequences with their scored positions: `input_ids`, `labels` (T,), `seq`;
+    `positions` (N,) ascending; `segments` (N,) each position's sequence index."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    seq: SeqInfo
+    positions: torch.Tensor
+    segments: torch.Tensor
+
+
+def _stream_lists(examples: Sequence[KTOExample]) -> tuple[list[int], list[int], list[int]]:
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    for s, ex in enumerate(examples):
+        start, n = len(ids), len(ex.ids)
+        ids.extend(ex.ids)
+        labels.extend([-100] * n)
+        for t in range(max(ex.prompt_len - 1, 0), n - 1):  # t scores completion token t+1
+            labels[start + t] = ex.ids[t + 1]
+            positions.append(start + t)
+            segments.append(s)
+    return ids + labels, positions, segments
+
+
+@dataclass
+class KTOBatch:
+    """n examples (`main`) and, when the loss estimates the KL term, their n KL sequences
+    (`kl`); `desirable` (n,) float 1/0; `num_examples` (host int)."""
+
+    main: Stream
+    kl: Stream | None
+    desirable: torch.Tensor
+    num_examples: int
+    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _cuts: tuple[int, ...] = ()
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.main.input_ids
+
+    @property
+    def seq(self) -> SeqInfo:
+        return self.main.seq
+
+    def to(self, device: torch.device | str) -> KTOBatch:
+        """On `device`: two non-blocking copies (int64, float32) and the SeqInfos."""
+        ints, floats = (to_device(buf, device) for buf in self._host)
+        streams = _cut(ints, self._cuts, [self.main.seq, self.kl.seq if self.kl else None],
+                       device)  # fmt: skip
+        return KTOBatch(streams[0], streams[1], floats, self.num_examples, [ints, floats],
+                        self._cuts)  # fmt: skip
+
+
+def _cut(ints: torch.Tensor, cuts: tuple[int, ...], seqs: list, device=None) -> list:
+    """The streams' views of the int64 buffer (cuts: T, N per stream)."""
+    out, at = [], 0
+    for k, seq in enumerate(seqs):
+        if seq is None:
+            out.append(None)
+            continue
+        T, N = cuts[2 * k], cuts[2 * k + 1]
+        parts = [
+            ints[at : at + T],
+            ints[at + T : at + 2 * T],
+            ints[at + 2 * T : at + 2 * T + N],
+            ints[at + 2 * T + N : at + 2 * T + 2 * N],
+        ]
+        at += 2 * T + 2 * N
+        out.append(Stream(parts[0], parts[1], seq if device is None else seq.to(device),
+                          parts[2], parts[3]))  # fmt: skip
+    return out
+
+
+def collate_kto(examples: Sequence[KTOExample], *, with_kl: bool, max_tokens: int) -> KTOBatch:
+    """Pack examples (and their KL sequences) into one batch: host-built, one buffer."""
+    if not examples:
+        raise ValueError("collate_kto: no examples; a batch needs at least one.")
+    groups = [examples, kl_sequences(examples, max_tokens)] if with_kl else [examples]
+    flat: list[int] = []
+    cuts: list[int] = []
+    seqs = []
+    for group in groups:
+        ids_labels, positions, segments = _stream_lists(group)
+        flat += ids_labels + positions + segments
+        cuts += [len(ids_labels) // 2, len(positions)]
+        seqs.append(SeqInfo.from_lengths([len(ex) for ex in group]))
+    ints = torch.tensor(flat, dtype=torch.int64)
+    floats = torch.tensor([float(ex.desirable) for ex in examples], dtype=torch.float32)
+    if torch.cuda.is_available():
+        ints, floats = ints.pin_memory(), floats.pin_memory()
+    streams = _cut(ints, tuple(cuts), seqs + [None] * (2 - len(seqs)))
+    return KTOBatch(streams[0], streams[1], floats, len(examples), [ints, floats], tuple(cuts))
