@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from slipstream.data.labels import DataReport
-from slipstream.objectives.pairs import PairRowError, _check_field, _ids, parse_pair_row
+from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
+from slipstream.objectives.pairs import _check_field, _ids, parse_pair_row
 from slipstream.ops.packing import SeqInfo, to_device
 
 UNPAIRED = ("prompt", "completion", "label")
@@ -80,9 +80,9 @@ def encode_unpaired(
 ) -> KTOExample:
     """The example TRL's KTOTrainer builds from one (prompt, completion, label)."""
     if isinstance(prompt, list) != isinstance(completion, list):
-        raise PairRowError("mixed_formats", "prompt and completion mix strings and messages")
+        raise RowError("mixed_formats", "prompt and completion mix strings and messages")
     if not completion:
-        raise PairRowError("empty", "the completion is empty")
+        raise RowError("empty", "the completion is empty")
     eos = tokenizer.eos_token
     if isinstance(completion, str) and eos and not completion.endswith(eos):
         completion = completion + eos
@@ -93,14 +93,14 @@ def encode_unpaired(
         if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
             raise
         first_line = str(e).splitlines()[0] if str(e) else repr(e)
-        raise PairRowError("template_error", first_line) from None
+        raise RowError("template_error", first_line) from None
     prompt_len = 0
     for a, b in zip(prompt_ids, ids, strict=False):
         if a != b:
             break
         prompt_len += 1
     if prompt_len == len(ids):
-        raise PairRowError("empty", "the completion has no tokens after the prompt")
+        raise RowError("empty", "the completion has no tokens after the prompt")
     return KTOExample(ids, prompt_len, desirable)
 
 
@@ -112,9 +112,9 @@ def encode_kto_row(tokenizer: Any, row: Mapping[str, Any], paired: bool) -> list
                 for c, d in ((chosen, True), (rejected, False))]  # fmt: skip
     label = row.get("label")
     if not isinstance(label, bool):
-        raise PairRowError("label", f"'label' is {label!r}; give true (desirable) or false")
+        raise RowError("label", f"'label' is {label!r}; give true (desirable) or false")
     if "prompt" not in row:
-        raise PairRowError("missing_field", "no 'prompt'")
+        raise RowError("missing_field", "no 'prompt'")
     prompt, completion = _check_field(row, "prompt"), _check_field(row, "completion")
     kwargs = _template_kwargs(row, isinstance(completion, list))
     return [encode_unpaired(tokenizer, prompt, completion, label, kwargs)]
@@ -129,47 +129,27 @@ def tokenize_kto(
     strict: bool = False,
     first_row: int = 0,
 ) -> tuple[list[KTOExample], DataReport]:
-    """Rows (a `datasets.Dataset` or list of dicts) to examples; every skip counted."""
-    if len(rows) == 0:
-        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
-    columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-    if list(columns) == ["_json"]:
-        columns = list(json.loads(rows[0]["_json"]))
-    paired = check_kto_columns(columns)
+    """Rows (a `datasets.Dataset` or list of dicts) to examples, a pair's two in turn; every
+    skip counted (a pair with a side over the limit is dropped whole)."""
+    paired = check_kto_columns(row_columns(rows))
     report = DataReport(rows=len(rows))
-    examples: list[KTOExample] = []
-    for index, row in enumerate(rows, start=first_row):
-        if "_json" in row and len(row) == 1:
-            row = json.loads(row["_json"])
+
+    def encode(row: Mapping[str, Any], index: int) -> Encoded:
         row = {k: v for k, v in row.items() if v is not None}
-        try:
-            encoded = encode_kto_row(tokenizer, row, paired)
-            kept = []
-            for ex in encoded:
-                if len(ex) > max_tokens:
-                    if ex.prompt_len >= max_tokens:
-                        raise PairRowError(
-                            "prompt_too_long", f"prompt fills max_tokens={max_tokens}"
-                        )
-                    if overlong == "drop":
-                        report.dropped += 1
-                        continue
-                    ex = KTOExample(ex.ids[:max_tokens], ex.prompt_len, ex.desirable)
-                    report.truncated += 1
-                kept.append(ex)
-        except PairRowError as e:
-            if strict:
-                raise ValueError(
-                    f"data row {index}: {e} (strict mode; fix or remove the row)."
-                ) from None
-            report.skipped[e.reason] += 1
-            report.first_skip = report.first_skip or f"row {index}: {e}"
-            continue
-        for ex in kept:
-            examples.append(ex)
-            report.kept += 1
-            report.tokens += len(ex)
-            report.target_tokens += len(ex) - ex.prompt_len
+        out = encode_kto_row(tokenizer, row, paired)
+        longest = max(len(ex) for ex in out)
+        if longest > max_tokens:
+            if any(ex.prompt_len >= max_tokens for ex in out):
+                raise RowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
+            if overlong == "drop":
+                return Encoded(None, longest)
+            out = [KTOExample(ex.ids[:max_tokens], ex.prompt_len, ex.desirable) for ex in out]
+            report.truncated += 1
+        tokens = sum(len(ex) for ex in out)
+        return Encoded(out, tokens, tokens - sum(ex.prompt_len for ex in out))
+
+    examples = [ex for row in encode_rows(rows, encode, report, strict, first_row) for ex in row]
+    report.kept = len(examples)  # examples, two a pair
     if not examples:
         raise ValueError(f"no usable KTO examples: {report.summary()}")
     return examples, report

@@ -14,15 +14,15 @@ Shapes: T packed tokens, S = 2P sequences, P pairs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from slipstream.data.labels import DataReport
+from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
 from slipstream.models.score_head import score_positions
-from slipstream.objectives.pairs import PairRowError, check_pair_columns, encode_pair
+from slipstream.objectives.pairs import check_pair_columns, encode_pair
 from slipstream.ops.packing import SeqInfo, to_device
 
 
@@ -49,9 +49,9 @@ def pad_id_of(tokenizer: Any) -> int | None:
 def _margin(row: Any) -> float:
     value = row.get("margin", 0.0)
     if value is None:
-        raise PairRowError("margin", "'margin' is null; give a number")
+        raise RowError("margin", "'margin' is null; give a number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PairRowError("margin", f"'margin' is {value!r}; give a finite number")
+        raise RowError("margin", f"'margin' is {value!r}; give a finite number")
     return float(value)
 
 
@@ -75,41 +75,22 @@ def tokenize_reward_pairs(
     first_row: int = 0,
 ) -> tuple[list[RewardPair], DataReport]:
     """Rows (a `datasets.Dataset` or list of dicts) to pairs; every skip counted."""
-    import json
-
-    if len(rows) == 0:
-        raise ValueError("the dataset is empty (0 rows); check the data path or split.")
-    columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-    if list(columns) == ["_json"]:
-        columns = list(json.loads(rows[0]["_json"]))
-    check_pair_columns(columns, "reward")
+    check_pair_columns(row_columns(rows), "reward")
     pad = pad_id_of(tokenizer)
     report = DataReport(rows=len(rows))
-    examples: list[RewardPair] = []
-    for index, row in enumerate(rows, start=first_row):
-        if "_json" in row and len(row) == 1:
-            row = json.loads(row["_json"])
+
+    def encode(row: Mapping[str, Any], index: int) -> Encoded:
         row = {k: v for k, v in row.items() if v is not None or k in ("chosen", "rejected")}
-        try:
-            ex = encode_reward_pair(tokenizer, row, pad)
-            if max(len(ex.chosen), len(ex.rejected)) > max_tokens:
-                if overlong == "drop":
-                    report.dropped += 1
-                    continue
-                ex = scored_pair(ex.chosen[:max_tokens], ex.rejected[:max_tokens], pad, ex.margin)
-                report.truncated += 1
-        except PairRowError as e:
-            if strict:
-                raise ValueError(
-                    f"data row {index}: {e} (strict mode; fix or remove the row)."
-                ) from None
-            report.skipped[e.reason] += 1
-            report.first_skip = report.first_skip or f"row {index}: {e}"
-            continue
-        examples.append(ex)
-        report.kept += 1
-        report.tokens += len(ex)
-        report.target_tokens += 2
+        ex = encode_reward_pair(tokenizer, row, pad)
+        longest = max(len(ex.chosen), len(ex.rejected))
+        if longest > max_tokens:
+            if overlong == "drop":
+                return Encoded(None, longest)
+            ex = scored_pair(ex.chosen[:max_tokens], ex.rejected[:max_tokens], pad, ex.margin)
+            report.truncated += 1
+        return Encoded(ex, len(ex), 2)  # the targets: two scores
+
+    examples = encode_rows(rows, encode, report, strict, first_row)
     if not examples:
         raise ValueError(f"no usable preference pairs: {report.summary()}")
     return examples, report
