@@ -1,5 +1,5 @@
-"""The `slipstream` command: train, preview, config, demo, export, push, generate, chat, bench
-(`slipstream COMMAND --help` for each one's arguments; README.md for worked examples).
+"""The `slipstream` command: train, preview, config, demo, export, push, generate, chat, score,
+bench (`slipstream COMMAND --help` for each one's arguments; README.md for worked examples).
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
 (bad config, missing file, unwritable output dir, bad data). Our own bugs still print a
@@ -97,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_push_command(sub)
     add_generation_commands(sub)
 
+    p = sub.add_parser(
+        "score", help="score rows with a reward model (train.objective: reward)",
+        description="Score each row of a data file with a reward model (a full one or a LoRA "
+        "adapter): pairs (chosen, rejected) get both scores and the accuracy, other rows "
+        "(prompt + completion, messages, text) one score.",
+    )  # fmt: skip
+    p.add_argument("model", help="the reward model's folder (a train.objective=reward run)")
+    p.add_argument("data", help="jsonl/json/parquet/csv file or hub dataset id")
+    p.add_argument("--output", help="write the rows with their scores here (jsonl); else stdout")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--tokens-per-batch", type=int, default=8192, help="tokens per packed batch")
+    p.set_defaults(run=cmd_score)
+
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     p.add_argument("name", nargs="?", help="bench_<name>.py to run; none: list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -179,6 +192,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         import signal
 
         return 128 + signal.Signals[stopped_by].value
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    for what, path in (("reward model", args.model), ("data", args.data)):
+        if not Path(path).exists() and not (what == "data" and "/" in path):
+            raise ValueError(f"{what} {path} does not exist")
+    from slipstream.scoring import score_file
+
+    summary = score_file(args.model, args.data, args.output, device=args.device,
+                         tokens_per_batch=args.tokens_per_batch)  # fmt: skip
+    accuracy = f", pair accuracy {summary['accuracy']:.4f}" if summary["pairs"] else ""
+    print(f"slipstream: {summary['rows']} rows scored, mean score {summary['mean_score']:.4f}"
+          f"{accuracy}", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -3,7 +3,8 @@
 An entry is `{function: NAME_OR_PATH, weight: 1.0, ...options}`. NAME is a built-in
 (`accuracy`, `format`, `length`; their options are their constructors' arguments); a user
 function is `path/to/file.py:function` (relative to the working directory) or
-`package.module:function`. Every mistake is a one-line ValueError naming the entry.
+`package.module:function`; `model:DIR` is a reward model (rewards/model.py). Every mistake is
+a one-line ValueError naming the entry.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 from slipstream.rewards.accuracy import Accuracy
 from slipstream.rewards.functions import TRL_ARGUMENTS, Reward, RewardFunctions
+from slipstream.rewards.model import PREFIX as MODEL_PREFIX
+from slipstream.rewards.model import ModelReward
 from slipstream.rewards.text import Format, Length
 
 BUILTINS: dict[str, type] = {"accuracy": Accuracy, "format": Format, "length": Length}
@@ -62,6 +65,12 @@ def _build_one(spec: Any, where: str) -> Reward:
     ):
         raise ValueError(f"{where}: weight is {weight!r}; give a finite number")
     options = {k: v for k, v in spec.items() if k not in COMMON_KEYS}
+    if text.startswith(MODEL_PREFIX):  # a reward model folder (rewards/model.py)
+        if options:
+            raise ValueError(f"{where}: unknown key {next(iter(options))!r}; a reward model's "
+                             "entry has only function and weight")  # fmt: skip
+        fn = ModelReward(text.removeprefix(MODEL_PREFIX), where)
+        return Reward(fn.__name__, text, fn, float(weight), None, ())
     if text in BUILTINS:
         fn, name = _builtin(BUILTINS[text], options, where), text
     else:
