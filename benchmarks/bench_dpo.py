@@ -34,9 +34,9 @@ COLUMNS = ["model", "pairs/step", "real tokens/step", "padded tokens (TRL)", "TR
            "ours tok/s", "speedup", "same loss (step 1)"]  # fmt: skip
 
 
-def load_models(random_layers: int | None):
+def load_models(random_layers: int | None, with_folder: bool = False):
     """(transformers model, our model, tokenizer) with the same weights, both from a plain
-    float32 HF checkpoint in a temporary folder.
+    float32 HF checkpoint in a temporary folder (and the folder, `with_folder`).
 
     Not transformers' own GGUF load: it keeps `quantization_config` (GGUF) on the model, and
     the Trainer under DPOTrainer refuses to train a model quantized with GGUF. Our loader
@@ -65,7 +65,7 @@ def load_models(random_layers: int | None):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ours = load_model(folder, dtype=torch.float32)
     hf.config._attn_implementation = "sdpa"
-    return hf, ours, tokenizer
+    return (hf, ours, tokenizer, folder) if with_folder else (hf, ours, tokenizer)
 
 
 def run(pairs_per_step: int, steps: int, random_layers: int | None) -> dict:

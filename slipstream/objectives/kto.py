@@ -79,13 +79,15 @@ class KTO:
 
     def __init__(self, cfg: Any = None, **options: Any) -> None:
         """From a RunConfig (the `kto` section, data options) or keyword options (beta,
-        desirable_weight, undesirable_weight, loss_type)."""
+        desirable_weight, undesirable_weight, loss_type, max_tokens, overlong)."""
         self.reference = None  # set by attach(): a ReferencePolicy
         self.full = self.from_adapter = False
         if cfg is None:
             k = options
             self.max_tokens = options.get("max_tokens", 1 << 30)
-            self.data_options: dict[str, Any] = {"max_tokens": self.max_tokens}
+            self.data_options: dict[str, Any] = {
+                "max_tokens": self.max_tokens, "overlong": options.get("overlong", "drop"),
+            }  # fmt: skip
         else:
             d, t, k = cfg.data, cfg.train, cfg.kto.model_dump()
             self.max_tokens = min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2)
