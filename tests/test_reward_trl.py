@@ -173,7 +173,7 @@ def _our_scores(model, pairs):
     from slipstream.models.score_head import sequence_scores
 
     with torch.no_grad():
-        return sequence_scores(model, batch.input_ids, batch.seq, batch.positions)
+        return sequence_scores(model, batch.input_ids, batch.seq, batch.score_positions)
 
 
 def test_saved_reward_models_load_in_transformers_and_peft_with_our_scores(setup, tmp_path):

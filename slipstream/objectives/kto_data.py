@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
 from slipstream.objectives.pairs import _check_field, _ids, parse_pair_row
-from slipstream.ops.packing import SeqInfo, to_device
+from slipstream.ops.packing import SeqInfo
 
 UNPAIRED = ("prompt", "completion", "label")
 
@@ -165,7 +166,7 @@ def kl_sequences(examples: Sequence[KTOExample], max_tokens: int) -> list[KTOExa
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Stream:
     """Packed sequences with their scored positions: `input_ids`, `labels` (T,), `seq`;
     `positions` (N,) ascending; `segments` (N,) each position's sequence index."""
@@ -177,87 +178,59 @@ class Stream:
     segments: torch.Tensor
 
 
-def _stream_lists(examples: Sequence[KTOExample]) -> tuple[list[int], list[int], list[int]]:
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    segments: list[int] = []
-    for s, ex in enumerate(examples):
-        start, n = len(ids), len(ex.ids)
-        ids.extend(ex.ids)
-        labels.extend([-100] * n)
-        for t in range(max(ex.prompt_len - 1, 0), n - 1):  # t scores completion token t+1
-            labels[start + t] = ex.ids[t + 1]
-            positions.append(start + t)
-            segments.append(s)
-    return ids + labels, positions, segments
+def _add_stream(builder: PackedBuilder, examples: Sequence[KTOExample]) -> None:
+    for s, ex in enumerate(examples):  # the completion's tokens are scored
+        builder.add(ex.ids, [(ex.prompt_len, len(ex.ids))], segments=s)
 
 
-@dataclass
-class KTOBatch:
-    """n examples (`main`) and, when the loss estimates the KL term, their n KL sequences
-    (`kl`); `desirable` (n,) float 1/0; `num_examples` (host int)."""
+KL_FIELDS = ("input_ids", "labels", "label_positions", "segments")
 
-    main: Stream
-    kl: Stream | None
-    desirable: torch.Tensor
+
+@dataclass(eq=False)
+class KTOBatch(PackedView):
+    """n examples packed (data/packed.py: `input_ids`, `labels`, `positions`, `seq`;
+    `segments` each scored position's example; `desirable` (n,) float 1/0) and, when the
+    loss estimates the KL term, their n KL sequences as one more stream in the same buffer
+    (`kl`, with its own SeqInfo `kl_seq`). Host int: `num_examples`."""
+
     num_examples: int
-    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _cuts: tuple[int, ...] = ()
+    kl_seq: SeqInfo | None = None
+
+    segments = packed_field("segments")
+    desirable = packed_field("desirable")
 
     @property
-    def input_ids(self) -> torch.Tensor:
-        return self.main.input_ids
+    def main(self) -> Stream:
+        return Stream(self.input_ids, self.labels, self.seq, self.positions, self.segments)
 
     @property
-    def seq(self) -> SeqInfo:
-        return self.main.seq
+    def kl(self) -> Stream | None:
+        if self.kl_seq is None:
+            return None
+        f = self.packed.fields
+        return Stream(f["kl_input_ids"], f["kl_labels"], self.kl_seq, f["kl_label_positions"],
+                      f["kl_segments"])  # fmt: skip
 
     def to(self, device: torch.device | str) -> KTOBatch:
-        """On `device`: two non-blocking copies (int64, float32) and the SeqInfos."""
-        ints, floats = (to_device(buf, device) for buf in self._host)
-        streams = _cut(ints, self._cuts, [self.main.seq, self.kl.seq if self.kl else None],
-                       device)  # fmt: skip
-        return KTOBatch(streams[0], streams[1], floats, self.num_examples, [ints, floats],
-                        self._cuts)  # fmt: skip
-
-
-def _cut(ints: torch.Tensor, cuts: tuple[int, ...], seqs: list, device=None) -> list:
-    """The streams' views of the int64 buffer (cuts: T, N per stream)."""
-    out, at = [], 0
-    for k, seq in enumerate(seqs):
-        if seq is None:
-            out.append(None)
-            continue
-        T, N = cuts[2 * k], cuts[2 * k + 1]
-        parts = [
-            ints[at : at + T],
-            ints[at + T : at + 2 * T],
-            ints[at + 2 * T : at + 2 * T + N],
-            ints[at + 2 * T + N : at + 2 * T + 2 * N],
-        ]
-        at += 2 * T + 2 * N
-        out.append(Stream(parts[0], parts[1], seq if device is None else seq.to(device),
-                          parts[2], parts[3]))  # fmt: skip
-    return out
+        kl_seq = self.kl_seq.to(device) if self.kl_seq is not None else None
+        return replace(self, packed=self.packed.to(device), kl_seq=kl_seq)
 
 
 def collate_kto(examples: Sequence[KTOExample], *, with_kl: bool, max_tokens: int) -> KTOBatch:
-    """Pack examples (and their KL sequences) into one batch: host-built, one buffer."""
+    """Pack examples (and their KL sequences, module docstring) into one batch: one host
+    buffer, one copy to the device (plus a SeqInfo's for each stream)."""
     if not examples:
         raise ValueError("collate_kto: no examples; a batch needs at least one.")
-    groups = [examples, kl_sequences(examples, max_tokens)] if with_kl else [examples]
-    flat: list[int] = []
-    cuts: list[int] = []
-    seqs = []
-    for group in groups:
-        ids_labels, positions, segments = _stream_lists(group)
-        flat += ids_labels + positions + segments
-        cuts += [len(ids_labels) // 2, len(positions)]
-        seqs.append(SeqInfo.from_lengths([len(ex) for ex in group]))
-    ints = torch.tensor(flat, dtype=torch.int64)
-    floats = torch.tensor([float(ex.desirable) for ex in examples], dtype=torch.float32)
-    if torch.cuda.is_available():
-        ints, floats = ints.pin_memory(), floats.pin_memory()
-    streams = _cut(ints, tuple(cuts), seqs + [None] * (2 - len(seqs)))
-    return KTOBatch(streams[0], streams[1], floats, len(examples), [ints, floats], tuple(cuts))
+    builder = PackedBuilder(segments=("scored", torch.int64))
+    _add_stream(builder, examples)
+    builder.put("desirable", torch.tensor([float(ex.desirable) for ex in examples]))
+    kl_seq = None
+    if with_kl:
+        kl_builder = PackedBuilder(segments=("scored", torch.int64))
+        _add_stream(kl_builder, kl_sequences(examples, max_tokens))
+        kl = kl_builder.build()
+        for name in KL_FIELDS:
+            builder.put(f"kl_{name}", getattr(kl, name) if name != "segments" else
+                        kl.fields["segments"])  # fmt: skip
+        kl_seq = kl.seq
+    return KTOBatch(builder.build(), len(examples), kl_seq)

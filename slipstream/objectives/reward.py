@@ -95,7 +95,7 @@ class Reward:
         self, model: torch.nn.Module, batch: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss summed over the batch's pairs and metric sums (device tensors, no sync)."""
-        scores_CR = sequence_scores(model, batch.input_ids, batch.seq, batch.positions)
+        scores_CR = sequence_scores(model, batch.input_ids, batch.seq, batch.score_positions)
         scores_CR = scores_CR.view(batch.num_pairs, 2)
         c, r = scores_CR[:, 0], scores_CR[:, 1]
         loss = bradley_terry_losses(c, r, batch.margins, self.center).sum()

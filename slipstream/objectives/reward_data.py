@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
 from slipstream.models.score_head import score_positions
 from slipstream.objectives.pairs import check_pair_columns, encode_pair
-from slipstream.ops.packing import SeqInfo, to_device
 
 
 @dataclass
@@ -96,44 +96,29 @@ def tokenize_reward_pairs(
     return examples, report
 
 
-@dataclass
-class RewardBatch:
-    """P pairs as 2P packed sequences (chosen, rejected, chosen, ...): `input_ids` (T,),
-    `positions` (2P,) each sequence's scoring index, `margins` (P,) float; `num_pairs`."""
+@dataclass(eq=False)
+class RewardBatch(PackedView):
+    """P pairs as 2P packed sequences (chosen, rejected, chosen, ...), a view of the packed
+    batch (data/packed.py): `input_ids`, `seq`; `score_positions` (2P,) each sequence's
+    scoring index in the packed stream; `margins` (P,) float. Host int: `num_pairs`."""
 
-    input_ids: torch.Tensor
-    seq: SeqInfo
-    positions: torch.Tensor
-    margins: torch.Tensor
     num_pairs: int
-    _host: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def to(self, device: torch.device | str) -> RewardBatch:
-        ints, floats = (to_device(buf, device) for buf in self._host)
-        T = self.input_ids.numel()
-        return RewardBatch(ints[:T], self.seq.to(device), ints[T:], floats, self.num_pairs,
-                           [ints, floats])  # fmt: skip
+    score_positions = packed_field("score_positions")
+    margins = packed_field("margins")
 
 
 def collate_reward_pairs(examples: Sequence[RewardPair]) -> RewardBatch:
+    """Pack pairs into one batch (see RewardBatch); nothing is scored by the LM head."""
     if not examples:
         raise ValueError("collate_reward_pairs: no pairs; a batch needs at least one.")
-    ids: list[int] = []
-    positions: list[int] = []
-    lengths: list[int] = []
+    builder = PackedBuilder()
+    positions, start = [], 0
     for ex in examples:
-        for seq_ids, at in ((ex.chosen, ex.chosen_at), (ex.rejected, ex.rejected_at)):
-            positions.append(len(ids) + at)
-            ids.extend(seq_ids)
-            lengths.append(len(seq_ids))
-    ints = torch.tensor(ids + positions, dtype=torch.int64)
-    floats = torch.tensor([ex.margin for ex in examples], dtype=torch.float32)
-    if torch.cuda.is_available():
-        ints, floats = ints.pin_memory(), floats.pin_memory()
-    T = len(ids)
-    return RewardBatch(ints[:T], SeqInfo.from_lengths(lengths), ints[T:], floats, len(examples),
-                       [ints, floats])  # fmt: skip
+        for ids, at in ((ex.chosen, ex.chosen_at), (ex.rejected, ex.rejected_at)):
+            builder.add(ids, [])
+            positions.append(start + at)
+            start += len(ids)
+    builder.put("score_positions", torch.tensor(positions, dtype=torch.int64))
+    builder.put("margins", torch.tensor([ex.margin for ex in examples], dtype=torch.float32))
+    return RewardBatch(builder.build(), len(examples))
