@@ -66,9 +66,9 @@ def run_reward(pairs_per_step: int, steps: int, random_layers: int | None) -> di
     from trl import RewardConfig, RewardTrainer
 
     from slipstream.data.chitchat import chitchat_pairs
-    from slipstream.models.score_head import add_score_head
+    from slipstream.models.score_head import add_score_head, pad_id_of
     from slipstream.objectives.reward import Reward
-    from slipstream.objectives.reward_data import pad_id_of, tokenize_reward_pairs
+    from slipstream.objectives.reward_data import tokenize_reward_pairs
     from slipstream.peft.lora import apply_lora
 
     hf, ours, tokenizer, folder = load_models(random_layers, with_folder=True)

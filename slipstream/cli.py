@@ -199,7 +199,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     for what, path in (("reward model", args.model), ("data", args.data)):
         if not Path(path).exists() and not (what == "data" and "/" in path):
             raise ValueError(f"{what} {path} does not exist")
-    from slipstream.scoring import score_file
+    from slipstream.objectives.reward_scoring import score_file
 
     summary = score_file(args.model, args.data, args.output, device=args.device,
                          tokens_per_batch=args.tokens_per_batch)  # fmt: skip

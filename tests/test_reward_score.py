@@ -10,14 +10,13 @@ import warnings
 import pytest
 import torch
 from helpers.models import make_hf_model
-from helpers.tokenizers import save_test_tokenizer
+from helpers.tokenizers import pad_is_eos, save_test_tokenizer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from slipstream import cli
 from slipstream.checkpoint.hf import load_model
 from slipstream.checkpoint.reward_model import save_reward_adapter, save_reward_model
-from slipstream.models.score_head import add_score_head
-from slipstream.objectives.reward_data import pad_id_of
+from slipstream.models.score_head import add_score_head, pad_id_of
 from slipstream.peft.lora import apply_lora, merge_lora
 from slipstream.rewards import build_rewards
 
@@ -44,6 +43,7 @@ def models(tmp_path_factory):
     """A reward model as an adapter (`adapter`) and merged in full (`full`), tokenizer saved."""
     root = tmp_path_factory.mktemp("score")
     save_test_tokenizer(root / "base", "chatml", vocab_size=300)
+    pad_is_eos(root / "base")
     make_hf_model("llama", **TINY).save_pretrained(root / "base")
     tokenizer = AutoTokenizer.from_pretrained(root / "base")
     model = load_model(str(root / "base"))

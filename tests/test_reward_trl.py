@@ -13,7 +13,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.models import make_hf_model
-from helpers.tokenizers import save_test_tokenizer
+from helpers.tokenizers import pad_is_eos, save_test_tokenizer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from slipstream.checkpoint.reward_model import (
@@ -21,8 +21,9 @@ from slipstream.checkpoint.reward_model import (
     save_reward_adapter,
     save_reward_model,
 )
+from slipstream.models.score_head import pad_id_of
 from slipstream.objectives.reward import Reward
-from slipstream.objectives.reward_data import pad_id_of, tokenize_reward_pairs
+from slipstream.objectives.reward_data import tokenize_reward_pairs
 
 trl = pytest.importorskip("trl")
 
@@ -71,10 +72,12 @@ ROWS = {"conversational": CONVERSATIONAL, "standard": STANDARD}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny Llama + chatml tokenizer (eos = pad = <|im_end|>), and a TRL-made LoRA reward
+    """A tiny Llama + chatml tokenizer (eos = pad = <|im_end|>, as SmolLM2's: a standard text
+    ends in the pad, so its score is read one token earlier), and a TRL-made LoRA reward
     adapter with non-zero factors and head."""
     root = tmp_path_factory.mktemp("reward")
     save_test_tokenizer(root / "model", "chatml", vocab_size=300)
+    pad_is_eos(root / "model")
     make_hf_model("llama", **TINY).save_pretrained(root / "model")
     model = _hf_classifier(root)
     config = peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=TARGETS)

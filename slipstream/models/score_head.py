@@ -44,6 +44,13 @@ def add_score_head(model: nn.Module, weight: torch.Tensor | None = None) -> nn.L
     return head
 
 
+def pad_id_of(tokenizer) -> int | None:
+    """The pad id a reward model scores with: the tokenizer's pad, else its eos (as TRL sets
+    `config.pad_token_id`)."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None else tokenizer.eos_token_id
+
+
 def score_positions(ids_per_seq: Sequence[Sequence[int]], pad_token_id: int | None) -> list[int]:
     """For sequences packed one after another: the packed index of each one's scoring token,
     transformers' rule (the rightmost token != pad_token_id; the last without a pad id; the

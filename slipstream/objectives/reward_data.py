@@ -22,7 +22,7 @@ import torch
 
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
-from slipstream.models.score_head import score_positions
+from slipstream.models.score_head import pad_id_of, score_positions
 from slipstream.objectives.pairs import check_pair_columns, encode_pair
 
 
@@ -38,12 +38,6 @@ class RewardPair:
 
     def __len__(self) -> int:
         return len(self.chosen) + len(self.rejected)
-
-
-def pad_id_of(tokenizer: Any) -> int | None:
-    """The pad id a reward model scores with: the tokenizer's pad, else its eos (TRL)."""
-    pad = tokenizer.pad_token_id
-    return pad if pad is not None else tokenizer.eos_token_id
 
 
 def _margin(row: Any) -> float:

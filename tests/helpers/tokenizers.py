@@ -125,3 +125,13 @@ def save_test_tokenizer(out_dir: str | Path, style: str = "chatml", vocab_size: 
     special_map = {k: v for k, v in spec["config"].items() if v is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
     return out
+
+
+def pad_is_eos(out_dir: str | Path) -> None:
+    """Make a saved tokenizer's pad token its eos (as SmolLM2's: `<|im_end|>` both), so a
+    text ending in the eos ends in the pad too."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = Path(out_dir) / name
+        config = json.loads(path.read_text())
+        config["pad_token"] = config["eos_token"]
+        path.write_text(json.dumps(config, indent=2))
