@@ -23,6 +23,7 @@ import bench_attention  # noqa: E402
 import bench_cpu_step  # noqa: E402
 import bench_dpo  # noqa: E402
 import bench_generate  # noqa: E402
+import bench_kto_reward  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
 import bench_moe  # noqa: E402
@@ -217,6 +218,20 @@ def test_dpo_quick(capsys):
     assert row["same loss (step 1)"] is True  # log 2 on both: fresh adapters, policy = ref
     assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
     assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
+
+
+@pytest.mark.slow
+def test_kto_reward_quick(capsys):
+    """Both sides train on the same tokens from the same start (the first step's loss agrees:
+    KTO 0.5 with the reference = policy, reward log 2 + the same head); TRL pads, we do not
+    (~2 min of CPU on 1 thread: TRL's KTO step is the slow part)."""
+    rows = bench_kto_reward.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_kto_reward.COLUMNS)
+    assert [r["objective"] for r in rows] == ["kto", "reward"]
+    for row in rows:
+        assert row["same loss (step 1)"] is True, row
+        assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
+        assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
 
 
 def test_peers_quick(tmp_path, capsys):
