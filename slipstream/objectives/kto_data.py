@@ -35,7 +35,7 @@ import torch
 
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
-from slipstream.objectives.pairs import _check_field, _ids, parse_pair_row
+from slipstream.objectives.pairs import _check_field, common_prefix, parse_pair_row, token_ids
 from slipstream.ops.packing import SeqInfo
 
 UNPAIRED = ("prompt", "completion", "label")
@@ -87,19 +87,9 @@ def encode_unpaired(
     eos = tokenizer.eos_token
     if isinstance(completion, str) and eos and not completion.endswith(eos):
         completion = completion + eos
-    try:
-        prompt_ids = _ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
-        ids = _ids(tokenizer, prompt + completion, kwargs)
-    except Exception as e:  # jinja's errors for roles or fields a template does not allow
-        if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
-            raise
-        first_line = str(e).splitlines()[0] if str(e) else repr(e)
-        raise RowError("template_error", first_line) from None
-    prompt_len = 0
-    for a, b in zip(prompt_ids, ids, strict=False):
-        if a != b:
-            break
-        prompt_len += 1
+    prompt_ids = token_ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
+    ids = token_ids(tokenizer, prompt + completion, kwargs)
+    prompt_len = common_prefix(prompt_ids, ids)
     if prompt_len == len(ids):
         raise RowError("empty", "the completion has no tokens after the prompt")
     return KTOExample(ids, prompt_len, desirable)

@@ -136,16 +136,30 @@ def parse_pair_row(row: Mapping[str, Any], eos_token: str | None) -> tuple[Any, 
     return prompt, chosen, rejected, kwargs
 
 
-def _ids(tokenizer: Any, content: Any, kwargs: dict, generation_prompt: bool = False) -> list[int]:
+def token_ids(
+    tokenizer: Any, content: Any, kwargs: dict, generation_prompt: bool = False
+) -> list[int]:
+    """A text's ids (`tokenizer(text)`, special tokens included) or a conversation's through
+    the chat template, as TRL's `_tokenize`; a template's error is RowError template_error."""
     if isinstance(content, str):
         return list(tokenizer(text=content)["input_ids"])
-    out = tokenizer.apply_chat_template(
-        content, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt, **kwargs
-    )
+    try:
+        out = tokenizer.apply_chat_template(
+            content,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=generation_prompt,
+            **kwargs,
+        )
+    except Exception as e:  # jinja's errors for roles or fields a template does not allow
+        if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
+            raise
+        first_line = str(e).splitlines()[0] if str(e) else repr(e)
+        raise RowError("template_error", first_line) from None
     return list(out["input_ids"])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -157,18 +171,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def encode_pair(tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
     """The pair's token sequences as TRL's DPOTrainer builds them (module docstring)."""
     prompt, chosen, rejected, kwargs = parse_pair_row(row, tokenizer.eos_token)
-    try:
-        prompt_ids = _ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
-        chosen_ids = _ids(tokenizer, prompt + chosen, kwargs)
-        rejected_ids = _ids(tokenizer, prompt + rejected, kwargs)
-    except Exception as e:  # jinja's errors for roles or fields a template does not allow
-        if "Template" not in type(e).__name__ and type(e).__name__ != "UndefinedError":
-            raise
-        first_line = str(e).splitlines()[0] if str(e) else repr(e)
-        raise RowError("template_error", first_line) from None
-    prompt_len = min(
-        _common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids)
-    )
+    prompt_ids = token_ids(tokenizer, prompt, kwargs, generation_prompt=True) if prompt else []
+    chosen_ids = token_ids(tokenizer, prompt + chosen, kwargs)
+    rejected_ids = token_ids(tokenizer, prompt + rejected, kwargs)
+    prompt_len = min(common_prefix(prompt_ids, chosen_ids), common_prefix(prompt_ids, rejected_ids))
     if prompt_len == len(chosen_ids) or prompt_len == len(rejected_ids):
         raise RowError("empty", "chosen or rejected has no tokens after the prompt")
     return PairExample(chosen_ids, rejected_ids, prompt_len)

@@ -21,22 +21,22 @@ from slipstream.scoring import RewardScorer
 
 def row_sequences(tokenizer: Any, row: Mapping[str, Any]) -> tuple[str, list[list[int]]]:
     """(kind, its token sequences) of one row to score: "pair" (chosen, rejected) or "one"."""
-    from slipstream.objectives.pairs import _ids, encode_pair
+    from slipstream.objectives.pairs import encode_pair, token_ids
 
     if "chosen" in row and "rejected" in row:
         pair = encode_pair(tokenizer, row)
         return "pair", [pair.chosen, pair.rejected]
     if "messages" in row:
-        return "one", [_ids(tokenizer, row["messages"], {})]
+        return "one", [token_ids(tokenizer, row["messages"], {})]
     if "prompt" in row and "completion" in row:
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list) != isinstance(completion, list):
             raise RowError("mixed_formats", "prompt and completion mix strings and messages")
         if isinstance(completion, str):
-            return "one", [_ids(tokenizer, prompt + _with_eos(completion, tokenizer), {})]
-        return "one", [_ids(tokenizer, prompt + completion, {})]
+            return "one", [token_ids(tokenizer, prompt + _with_eos(completion, tokenizer), {})]
+        return "one", [token_ids(tokenizer, prompt + completion, {})]
     if isinstance(row.get("text"), str):
-        return "one", [_ids(tokenizer, _with_eos(row["text"], tokenizer), {})]
+        return "one", [token_ids(tokenizer, _with_eos(row["text"], tokenizer), {})]
     raise RowError(
         "no_columns", f"no chosen/rejected, prompt/completion, messages or text (keys: "
         f"{sorted(row)})"
