@@ -1,5 +1,6 @@
 """The `slipstream` command: train, preview, config, demo, export, push, generate, chat, score,
-bench (`slipstream COMMAND --help` for each one's arguments; README.md for worked examples).
+eval, bench (`slipstream COMMAND --help` for each one's arguments; README.md for worked
+examples).
 
 Exit status: 0 on success, 2 with one line `slipstream: error: <reason>` on a user mistake
 (bad config, missing file, unwritable output dir, bad data). Our own bugs still print a
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_push_command(sub)
     add_generation_commands(sub)
+    from slipstream.evaluation.command import add_eval_command
+
+    add_eval_command(sub)
 
     p = sub.add_parser(
         "score", help="score rows with a reward model (train.objective: reward)",

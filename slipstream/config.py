@@ -151,6 +151,15 @@ class TrainSection(_Section):
         description="prompts the model answers (greedy) at each eval, into the log and metrics",
     )
     sample_max_new_tokens: int = _opt(64, "reply length of sample_prompts", gt=0)
+    eval_tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-eval tasks run at each eval (pip install 'slipstream[eval]'), logged "
+        "as eval/<task>/<metric>",
+    )
+    eval_tasks_limit: float | None = _opt(
+        None, "documents a task for eval_tasks (a fraction < 1: of each)", gt=0
+    )
+    eval_tasks_include_path: str | None = _opt(None, "a folder of task YAMLs for eval_tasks")
     save_every: int = _opt(0, "checkpoint every N steps; 0: no mid-run checkpoints", ge=0)
     keep_checkpoints: int = _opt(2, "how many mid-run checkpoints to keep", gt=0)
     skip_nonfinite: int = _opt(

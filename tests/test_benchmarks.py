@@ -22,6 +22,7 @@ sys.path.insert(0, str(BENCH))
 import bench_attention  # noqa: E402
 import bench_cpu_step  # noqa: E402
 import bench_dpo  # noqa: E402
+import bench_eval  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_kto_reward  # noqa: E402
 import bench_loss  # noqa: E402
@@ -232,6 +233,18 @@ def test_kto_reward_quick(capsys):
         assert row["same loss (step 1)"] is True, row
         assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
         assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
+
+
+def test_eval_quick(capsys):
+    """slipstream eval's LM and lm-eval's HFLM (batch 1 and 16) on the same requests: the
+    same answers, both timed."""
+    pytest.importorskip("lm_eval")
+    rows = bench_eval.main(["--quick", "--reps", "1"])
+    table_header(capsys.readouterr().out, bench_eval.COLUMNS)
+    assert [(r["task"], r["LM"]) for r in rows] == [
+        (t, lm) for t in ("bench_mc", "bench_ppl") for lm in ("ours", "HFLM", "HFLM")
+    ]
+    assert all(r["requests/s"] > 0 and r["max |Δ log-lik|"] < 1e-2 for r in rows)
 
 
 def test_peers_quick(tmp_path, capsys):

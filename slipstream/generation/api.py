@@ -63,9 +63,12 @@ def generate(
 def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, temperature=0.0,
                   top_p=1.0, top_k=0, stop=None, seed=None, num_return_sequences=1,
                   return_logprobs=False, check_every: int = engine.CHECK_EVERY,
-                  on_text: TextSink | None = None) -> list[Completion]:  # fmt: skip
-    """`generate` with the engine's knobs: `check_every` tokens between stop checks, and
-    `on_text(i, new_text)` called with each completion's text as it grows (streaming)."""
+                  on_text: TextSink | None = None,
+                  stop_token_ids: Sequence[int] | None = None) -> list[Completion]:  # fmt: skip
+    """`generate` with the engine's knobs: `check_every` tokens between stop checks,
+    `on_text(i, new_text)` called with each completion's text as it grows (streaming), and
+    `stop_token_ids` in place of the default stop tokens (`stop_token_ids(tokenizer)`:
+    slipstream eval stops where transformers' generate does)."""
     check_options(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences)
     sampling = Sampling(float(temperature), float(top_p), int(top_k))
     ids = [prompt_ids(p, tokenizer, i) for i, p in enumerate(_check_prompts(prompts))]
@@ -76,7 +79,7 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
                 f"prompt {i} has {len(p)} tokens; the model's context is {context} "
                 "(max_position_embeddings): shorten it to leave room for the reply"
             )
-    stop_strings, stop_ids = _stops(stop, tokenizer, model)
+    stop_strings, stop_ids = _stops(stop, tokenizer, model, stop_token_ids)
     device = model.model.embed_tokens.weight.device
     generator = None
     if seed is not None:
@@ -173,8 +176,10 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def _stops(stop, tokenizer, model) -> tuple[list[str], set[int]]:
-    if tokenizer is not None:
+def _stops(stop, tokenizer, model, defaults=None) -> tuple[list[str], set[int]]:
+    if defaults is not None:
+        ids = set(defaults)
+    elif tokenizer is not None:
         ids = set(stop_token_ids(tokenizer))
     else:
         eos = model.config.hf.get("eos_token_id")

