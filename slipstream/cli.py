@@ -66,6 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.train=x.jsonl")
     p.set_defaults(run=cmd_preview)
 
+    p = sub.add_parser(
+        "plan", help="a run's peak memory by component and the longest batch that fits, "
+        "before any weight loads", epilog=CONFIG_HELP,
+    )  # fmt: skip
+    p.add_argument("config", help="run config (YAML)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="e.g. train.tokens_per_batch=65536")  # fmt: skip
+    p.add_argument("--device", choices=["cpu", "cuda"], help="plan for this device (default: "
+                   "the config's; cuda when --gpu-memory is given)")  # fmt: skip
+    p.add_argument(
+        "--gpu-memory",
+        "--memory",
+        dest="memory",
+        metavar="SIZE",
+        help="the device's memory, e.g. 80GB or 141GB (default: this machine's)",
+    )
+    p.set_defaults(run=cmd_plan)
+
     p = sub.add_parser("config", help="print every config key with its default and meaning")
     p.add_argument("section", nargs="?", help="model, data, lora or train (default: all)")
     p.set_defaults(run=cmd_config)
@@ -218,6 +236,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(args)
     return result if isinstance(result, int) else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from slipstream.config import load_config  # the data need not exist: only the model's shape
+    from slipstream.memory.plan import parse_size
+    from slipstream.memory.plan_report import plan_report
+
+    cfg = load_config(args.config, args.overrides)
+    budget = parse_size(args.memory) if args.memory else None
+    print(plan_report(cfg, args.device, budget))
+    return 0
 
 
 def cmd_preview(args: argparse.Namespace) -> int:

@@ -169,6 +169,12 @@ class TrainSection(_Section):
     activation_checkpointing: Literal["auto", "offload", "recompute", "none"] = _opt(
         "auto", "auto: offload on GPU, recompute on CPU"
     )
+    mlp_tiles: Literal["auto", "off"] | int = _opt(
+        "auto", "MLP over the tokens in N tiles (long sequences); auto: when untiled won't fit"
+    )
+    memory: Literal["check", "auto", "off"] = _opt(
+        "check", "plan memory first (slipstream plan); auto: it picks checkpointing and tiles"
+    )
     compile: bool = _opt(False, "regional torch.compile of attention and MLP blocks")
     prepack: bool = _opt(
         True, "CPU, float32: frozen linear weights (LoRA/QLoRA bases) packed once for oneDNN"
@@ -211,6 +217,13 @@ class TrainSection(_Section):
         if self.save_best and not self.eval_every:
             raise ValueError("train.save_best needs train.eval_every > 0 (evals during the run)")
         return self
+
+    @field_validator("mlp_tiles")
+    @classmethod
+    def _tiles_positive(cls, value: str | int) -> str | int:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("give a tile count >= 1 (1 or off: untiled), or auto")
+        return value
 
     @field_validator("warmup_steps")
     @classmethod

@@ -104,6 +104,11 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         from slipstream.memory.host_heap import keep_freed_memory
 
         keep_freed_memory()
+    plan = None
+    if model is None:  # before a tokenizer, data or weight loads; refuses what won't fit
+        from slipstream.memory.plan import plan_for_run
+
+        plan = plan_for_run(cfg, device.type, say=dist.print_main)
     world = dist.world_size()
     mode = dist.resolve_mode(
         t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
@@ -123,7 +128,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         from slipstream.cpu import set_threads
 
         dist.print_main(f"slipstream: {set_threads(t.threads)} on the CPU")
-    model = model if model is not None else build_model(cfg, device, tokenizer)
+    model = model if model is not None else build_model(cfg, device, tokenizer, plan)
     context = HookContext(model, tokenizer, device, t.seed, dist.rank(), world)
     objective.attach(context, data)  # e.g. DPO's reference policy, before any sharding
     ddp = dist.wrap_model(model, mode, device)

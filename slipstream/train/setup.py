@@ -108,10 +108,13 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
     return examples, report
 
 
-def build_model(cfg: RunConfig, device: torch.device, tokenizer: Any = None) -> torch.nn.Module:
+def build_model(
+    cfg: RunConfig, device: torch.device, tokenizer: Any = None, plan: Any = None
+) -> torch.nn.Module:
     """Load weights (NF4 for QLoRA), grow the vocabulary for `model.add_tokens` (the
     tokenizer's, after `add_tokens`), then LoRA (and trained embeddings) or full training,
-    then (CPU) frozen weights prepacked, then checkpointing and compile."""
+    then (CPU) frozen weights prepacked, then MLP tiling, checkpointing and compile. `plan`
+    (memory.plan.Plan, which `prepare_run` makes first) gives the checkpointing mode and tiles."""
     from slipstream.checkpoint.hf import load_model
 
     quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
@@ -165,7 +168,13 @@ def build_model(cfg: RunConfig, device: torch.device, tokenizer: Any = None) -> 
                 f"slipstream: {packed} frozen linear weights packed once for oneDNN "
                 f"({held / 2**20:.0f} MiB more memory; train.prepack=false to skip)"
             )
-    mode = cfg.train.activation_checkpointing
+    tiles = cfg.train.mlp_tiles if isinstance(cfg.train.mlp_tiles, int) else 1
+    tiles = plan.tiles if plan is not None else tiles
+    if tiles > 1:
+        from slipstream.memory.tiled_mlp import apply_mlp_tiling
+
+        apply_mlp_tiling(model, tiles)
+    mode = cfg.train.activation_checkpointing if plan is None else plan.mode
     if mode == "auto":  # offload pays on a GPU; on CPU there is no device memory to save
         mode = "offload" if device.type == "cuda" else "recompute"
     if mode != "none":

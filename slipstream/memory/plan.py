@@ -1,0 +1,402 @@
+"""The memory planner: a run's peak memory by component, before a weight loads; the longest
+batch that fits; the techniques it needs.
+
+`plan_run(cfg, device=, budget=)` reads config.json only. The step's activations are
+measured, not modelled: `memory.probe` runs the run's own model on the meta device under the
+live-tensor tracker (no memory, ~0.1 s a layer). Around that the planner adds what the probe
+does not hold: the weights at their storage dtype (NF4: 0.516 bytes a weight, blocksize 64
+with double-quantised absmax), the optimizer states, the moved checkpoints of activation
+offload, oneDNN's prepacked copies (CPU, float32), the process itself (CPU: its current RSS)
+and, under torchrun, DDP's gradient buckets and NCCL's buffers (an estimate).
+
+On CUDA the peak is what `torch.cuda.max_memory_allocated` would read; a device fits it when
+peak <= (total - 1 GiB for the CUDA context and cuBLAS workspace) * 0.97 (the caching
+allocator's rounding and fragmentation). On CPU it is the RSS, against the machine's memory.
+Those two margins are estimates until the GPU suite's `plan` row measures them.
+
+Techniques, cheapest first: no checkpointing, recompute, offload (CUDA), then the MLP in
+2, 4, ... 64 tiles. `train.memory: auto` takes the first that fits; `check` (the default)
+keeps the configured ones (`train.mlp_tiles: auto` still tiles when untiled would not fit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)  # packed 4 bits, uint8 absmax, fp32 nested
+CUDA_RESERVE = 1 * GiB
+ALLOCATOR_FRACTION = 0.97
+NCCL_BUFFERS = 512 << 20  # per process, an estimate: NCCL's channels' buffers and DDP's state
+TILE_CHOICES = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Plan:
+    device: str
+    tokens: int  # the micro-batch the plan is for (one sequence)
+    mode: str  # checkpointing: none | recompute | offload
+    tiles: int  # MLP tiles (1: untiled)
+    components: dict[str, int]  # bytes
+    budget: int | None
+    host: dict[str, int] = field(default_factory=dict)  # host memory beside a GPU
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def usable(self) -> int | None:
+        if self.budget is None:
+            return None
+        if self.device == "cuda":
+            return int((self.budget - CUDA_RESERVE) * ALLOCATOR_FRACTION)
+        return self.budget
+
+    @property
+    def fits(self) -> bool:
+        return self.usable is None or self.peak <= self.usable
+
+    @property
+    def techniques(self) -> list[str]:
+        out = [] if self.mode == "none" else [self.mode]
+        return out + ([f"tiled MLP x{self.tiles}"] if self.tiles > 1 else [])
+
+
+@dataclass
+class PlanInputs:
+    """What of a run config the plan reads, with the device's dtype resolved."""
+
+    hf: dict[str, Any]
+    device: str  # cpu | cuda
+    dtype: Any
+    quantization: str
+    method: str
+    rank: int
+    alpha: float
+    targets: Any
+    use_dora: bool
+    optimizer: str
+    tokens: int
+    mode: str  # configured: auto | none | recompute | offload
+    tiles: str | int  # configured: auto | off | N
+    prepack: bool
+    world: int
+
+    @classmethod
+    def from_config(cls, cfg, device: str, hf: dict[str, Any]) -> PlanInputs:
+        import torch
+
+        from slipstream.device import choose_dtype
+
+        t, lo = cfg.train, cfg.lora
+        dtype = choose_dtype(cfg.model.dtype, torch.device(device))[0]
+        return cls(
+            hf=hf, device=device, dtype=dtype, quantization=cfg.model.quantization,
+            method=lo.method, rank=lo.rank, alpha=lo.alpha, targets=lo.targets,
+            use_dora=lo.use_dora, optimizer=t.optimizer, tokens=t.tokens_per_batch,
+            mode=t.activation_checkpointing, tiles=t.mlp_tiles,
+            prepack=t.prepack and not t.compile and t.parallel != "fsdp",
+            world=int(os.environ.get("WORLD_SIZE", "1")),
+        )  # fmt: skip
+
+
+def read_hf_config(source: str) -> dict[str, Any] | None:
+    """config.json of a model folder (or of a hub id in the local cache); None: not readable
+    without a download or a weight file (a GGUF)."""
+    from slipstream.checkpoint.model_type import _cached_hub_config
+    from slipstream.sources import is_hub_id, resolve_model
+
+    local = Path(resolve_model(source, "model.path"))
+    config = local / "config.json"
+    if not local.exists() and is_hub_id(str(source)):
+        config = _cached_hub_config(str(source))
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text(encoding="utf-8"))
+
+
+def _setup(inp: PlanInputs, mode: str, tiles: int):
+    from slipstream.memory.probe import ProbeSetup
+
+    return ProbeSetup(
+        hf=inp.hf, dtype=inp.dtype, method=inp.method, rank=inp.rank, alpha=inp.alpha,
+        targets=inp.targets, use_dora=inp.use_dora,
+        checkpointing="none" if mode == "none" else "recompute",
+        tiles=tiles if tiles > 1 else None,
+        half_attention_in_float32=inp.device == "cpu" and _cpu_upcasts(inp.dtype),
+        device=inp.device,
+    )  # fmt: skip
+
+
+def _probe(inp: PlanInputs, tokens: int, mode: str, tiles: int):
+    """The meta step's result, memoised per setting and length (a probe of an 8B model takes
+    ~2 s, its meta model as long to build)."""
+    from slipstream.memory.probe import meta_model, probe_step
+
+    setup = _setup(inp, mode, tiles)
+    key = json.dumps([repr(v) for v in vars(setup).values()], sort_keys=True, default=str)
+    if key not in _PROBES and len(_PROBES) >= 16:  # a process planning many runs (tests)
+        _PROBES.clear()
+    cache = _PROBES.setdefault(key, {"model": None})
+    if tokens not in cache:
+        if cache["model"] is None:
+            cache["model"] = meta_model(setup)
+        cache[tokens] = probe_step(setup, [tokens], model=cache["model"])
+    return cache[tokens]
+
+
+_PROBES: dict[tuple, dict] = {}
+
+
+def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
+    """The peak of one training step over one sequence of `tokens` with checkpointing `mode`
+    and `tiles` MLP tiles."""
+    import torch
+
+    r = _probe(inp, tokens, mode, tiles)
+    act = torch.empty((), dtype=inp.dtype).element_size()
+    checkpoint = tokens * r.hidden * act  # one layer's input
+    grads = r.trainable_bytes
+    c: dict[str, int] = {}
+    frozen = r.frozen_linear if inp.method == "lora" else 0
+    weights = r.params - (r.trainable_bytes if inp.method == "lora" else 0)
+    if inp.quantization == "nf4":
+        weights += int(frozen / act * NF4_BYTES_PER_WEIGHT) - frozen
+    c["weights"] = weights
+    if inp.method == "lora":
+        c["adapters"] = r.trainable_bytes
+    c["gradients"] = grads
+    c["optimizer states"] = _optimizer_bytes(inp.optimizer, r.trainable, r.trainable_bytes)
+    if inp.device == "cpu" and inp.prepack and inp.dtype == torch.float32 and frozen:
+        c["prepacked weights (oneDNN)"] = frozen
+    activations = r.step_peak - grads
+    host = {}
+    if mode in ("recompute", "offload"):
+        kept = r.layers * checkpoint
+        if mode == "offload" and inp.device == "cuda":
+            host["offloaded checkpoints (pinned)"] = kept
+            c["checkpoints (2 reload buffers)"] = 2 * checkpoint
+        else:
+            c["checkpoints (layer inputs)"] = kept + (2 * checkpoint if mode == "offload" else 0)
+        activations -= kept
+    vocab = int(inp.hf["vocab_size"])
+    chunk = min(tokens, max(1, (1 << 26) // vocab)) * vocab * 4
+    c["loss chunk (float32 logits)"] = min(chunk, max(activations, 0))
+    activations -= c["loss chunk (float32 logits)"]
+    heads, head_dim = _heads(inp.hf)
+    attention = tokens * heads * (head_dim * act + 4)  # the kernel's output + float32 lse
+    c["attention workspace"] = min(attention, max(activations, 0))
+    activations -= c["attention workspace"]
+    what = "activations" if mode == "none" else "activations (one layer's recompute + backward)"
+    c[what] = activations
+    if inp.quantization == "nf4":
+        F = int(inp.hf.get("intermediate_size") or 0)
+        c["NF4 dequantize workspace"] = F * r.hidden * act
+    if inp.world > 1:
+        c["DDP buckets + NCCL buffers (estimate)"] = grads + NCCL_BUFFERS
+    if inp.device == "cpu":
+        c["process (libraries, heap)"] = _rss_now()
+    notes = []
+    if inp.device == "cpu" and mode == "offload":
+        notes.append("on CPU offload means recompute (nothing to move to)")
+    return Plan(inp.device, tokens, mode, tiles, c, None, host, notes)
+
+
+def _cpu_upcasts(dtype) -> bool:
+    import torch
+
+    from slipstream.ops.attention import CPU_HALF_IN_FLOAT32
+
+    return CPU_HALF_IN_FLOAT32 and dtype in (torch.bfloat16, torch.float16)
+
+
+def _heads(hf: dict[str, Any]) -> tuple[int, int]:
+    heads = int(hf["num_attention_heads"])
+    return heads, int(hf.get("head_dim") or hf["hidden_size"] // heads)
+
+
+def _optimizer_bytes(kind: str, trainable: int, trainable_bytes: int) -> int:
+    if kind == "adamw_8bit":  # two uint8 moments + a float32 absmax per 256 values each
+        return int(trainable * 2 * (1 + 4 / 256))
+    return 2 * trainable_bytes  # exp_avg, exp_avg_sq: zeros_like(param)
+
+
+def _rss_now() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def device_budget(device: str) -> int | None:
+    """The memory of the device a run trains on: a CUDA device's total, or the host's."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def candidates(inp: PlanInputs, auto: bool) -> list[tuple[str, int]]:
+    """(mode, tiles) to try, cheapest first. A setting given explicitly stays; `auto`
+    (train.memory) picks the checkpointing mode where train.activation_checkpointing is auto,
+    and train.mlp_tiles: auto tiles only when untiled would not fit."""
+    if inp.mode != "auto":
+        modes = [inp.mode]
+    elif auto:
+        modes = ["none", "recompute"] + (["offload"] if inp.device == "cuda" else [])
+    else:
+        modes = ["offload" if inp.device == "cuda" else "recompute"]
+    if inp.tiles == "auto":
+        tiles = [1, *TILE_CHOICES]
+    else:
+        tiles = [1 if inp.tiles == "off" else int(inp.tiles)]
+    return [(m, n) for n in tiles for m in modes]
+
+
+def choose(inp: PlanInputs, budget: int | None, auto: bool) -> Plan:
+    """The first candidate that fits the micro-batch in `budget`; the last tried when none."""
+    plan = None
+    for mode, tiles in candidates(inp, auto):
+        plan = estimate(inp, inp.tokens, mode, tiles)
+        plan.budget = budget
+        if plan.fits:
+            break
+    return plan
+
+
+def longest(inp: PlanInputs, plan: Plan) -> int | None:
+    """The longest single sequence that fits `plan`'s budget with its techniques (a multiple
+    of 64). The peak is piecewise affine in T (the phase that peaks changes with T), so the
+    secant through the last two probes is followed until a probe lands within 1% below the
+    budget; the longest probed length that fits is the answer."""
+    usable = plan.usable
+    if usable is None:
+        return None
+
+    def peak(T: int) -> int:
+        return estimate(inp, T, plan.mode, plan.tiles).peak
+
+    points = [(1024, peak(1024)), (8192, peak(8192))]
+    for _ in range(8):
+        (a, pa), (b, pb) = points[-2], points[-1]
+        if pb == pa:
+            break
+        T = max(64, int(b + (usable - pb) * (b - a) / (pb - pa)) // 64 * 64)
+        if T in dict(points):
+            break
+        points.append((T, peak(T)))
+        if 0.99 * usable <= points[-1][1] <= usable:
+            break
+    fitting = [T for T, p in points if p <= usable]
+    return max(fitting) if fitting else 0
+
+
+def format_plan(plan: Plan, longest_tokens: int | None = None) -> str:
+    lines = [
+        f"memory plan for one micro-batch of {plan.tokens:,} tokens on {plan.device} "
+        f"(checkpointing {plan.mode}, MLP tiles {plan.tiles}):"
+    ]
+    width = max(len(k) for k in plan.components)
+    for name, n in plan.components.items():
+        lines.append(f"  {name:<{width}}  {n / GiB:9.3f} GiB")
+    lines.append(f"  {'peak':<{width}}  {plan.peak / GiB:9.3f} GiB")
+    for name, n in plan.host.items():
+        lines.append(f"  host: {name} {n / GiB:.3f} GiB")
+    if plan.budget is not None:
+        verdict = "fits" if plan.fits else "does NOT fit"
+        lines.append(
+            f"budget {plan.budget / GiB:.1f} GiB ({plan.usable / GiB:.1f} usable): {verdict}"
+        )
+    lines.append(f"techniques: {', '.join(plan.techniques) or 'none needed'}")
+    if longest_tokens is not None:
+        lines.append(
+            f"longest single sequence (= tokens_per_batch) that fits with these: "
+            f"{longest_tokens:,} tokens"
+        )
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """'80GB', '141GiB', '512MB', '8e9' -> bytes (GB and GiB both 2**30: cards are sold so)."""
+    units = {"tib": 1 << 40, "tb": 1 << 40, "gib": GiB, "gb": GiB, "mib": 1 << 20, "mb": 1 << 20}
+    s = text.strip().lower()
+    for unit, scale in units.items():
+        if s.endswith(unit):
+            try:
+                return int(float(s[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    try:
+        return int(float(s))
+    except ValueError:
+        raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GB or 512MiB") from None
+
+
+def plan_for_run(cfg, device: str, budget: int | None = None, *, say=print) -> Plan | None:
+    """The plan `train` runs first: None when it cannot be made from config.json alone (a
+    GGUF, a hub id not cached, a model only the generic path builds); a ValueError naming
+    the setting to change when the run will not fit."""
+    t = cfg.train
+    if t.memory == "off":
+        return None
+    try:
+        hf = read_hf_config(cfg.model.path)
+        if hf is None:
+            say("slipstream: memory plan skipped (no config.json to read before the weights)")
+            return None
+        from slipstream.models import FAMILIES
+
+        if hf.get("model_type") not in FAMILIES:
+            say(f"slipstream: memory plan skipped (model_type {hf.get('model_type')!r})")
+            return None
+        inp = PlanInputs.from_config(cfg, device, hf)
+        budget = budget if budget is not None else device_budget(device)
+        plan = choose(inp, budget, auto=t.memory == "auto")
+    except ValueError:
+        raise
+    except Exception as e:  # the plan advises; a probe our code cannot run must not stop a run
+        say(f"slipstream: memory plan skipped ({type(e).__name__}: {e})")
+        return None
+    if not plan.fits:
+        raise ValueError(refusal(inp, plan, auto=t.memory == "auto"))
+    if t.memory == "auto" or plan.tiles > 1:  # said when the plan chose something
+        say(
+            f"slipstream: memory plan: peak {plan.peak / GiB:.2f} GiB of {plan.usable / GiB:.1f} "
+            f"GiB usable on {device} ({', '.join(plan.techniques) or 'no checkpointing'})"
+        )
+    return plan
+
+
+def refusal(inp: PlanInputs, plan: Plan, auto: bool) -> str:
+    """One line: what the run needs, what the device has, which setting to change."""
+    need = (
+        f"train.tokens_per_batch={inp.tokens} needs {plan.peak / GiB:.2f} GiB on "
+        f"{inp.device} ({', '.join(plan.techniques) or 'no checkpointing'}) but "
+        f"{plan.usable / GiB:.2f} GiB is usable"
+    )
+    fixes = []
+    if not auto:
+        best = choose(inp, plan.budget, auto=True)
+        if best.fits:
+            fixes.append(f"set train.memory=auto (fits with {', '.join(best.techniques)})")
+        plan = best
+    n = longest(inp, plan)
+    if n:
+        fixes.append(f"lower train.tokens_per_batch to {n}")
+    if not fixes:
+        fixes.append("use a device with more memory, model.quantization=nf4 or LoRA")
+    return f"{need}: {' or '.join(fixes)} (slipstream plan CONFIG shows the components)"

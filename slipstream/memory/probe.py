@@ -1,0 +1,214 @@
+"""Measure a training step's activation memory without memory: the run's own model, built on
+the `meta` device, runs one forward and backward under the live-tensor tracker.
+
+Meta tensors have shapes and no data, so the step costs its Python time only (~0.1 s a layer)
+whatever T is, and every tensor our code allocates, saves for backward and frees is counted
+as it would be on a real device: the same modules, LoRA, checkpointing wrapper, tiled MLP,
+chunked loss. Two kernels have no faithful meta version and are stood in for by what they
+allocate (measured against the real ones in tests/test_memory_plan.py):
+- attention: meta SDPA is the math path, (T, T) scores per head; the flash kernels (CPU
+  `_scaled_dot_product_flash_attention_for_cpu`, CUDA varlen) keep the output and a float32
+  log-sum-exp per query and head, and backward allocates the three input gradients;
+- activation offload: meta tensors cannot go to the host, so offload is probed as recompute
+  and the planner moves the checkpoints (plan.py).
+
+Shapes: T tokens, D hidden, H query heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.memory.tracker import LiveTensors
+
+
+@dataclass
+class ProbeSetup:
+    """What of a run shapes its step's memory."""
+
+    hf: dict[str, Any]  # config.json
+    dtype: torch.dtype
+    method: str = "lora"  # lora | full
+    rank: int = 16
+    alpha: float = 32
+    targets: Any = None
+    use_dora: bool = False
+    checkpointing: str = "recompute"  # none | recompute (offload is probed as recompute)
+    tiles: int | None = None
+    half_attention_in_float32: bool = False  # CPU without AMX: bf16 SDPA upcast (attention.py)
+    device: str = "cpu"  # the device planned for: which kernels the step would take
+
+
+@dataclass
+class ProbeResult:
+    params: int  # bytes of every parameter and buffer at the model's dtype
+    trainable: int  # elements that require grad
+    trainable_bytes: int
+    frozen_linear: int  # bytes of the frozen nn.Linear weights in the decoder layers
+    layers: int
+    hidden: int
+    step_peak: int  # most bytes alive during forward + backward beyond the parameters
+    after_forward: int  # bytes alive when forward returned (saved activations, checkpoints)
+
+
+class _FlashStandIn(torch.autograd.Function):
+    """What a flash attention kernel allocates: out + float32 lse, then the input grads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, lse = ctx.saved_tensors
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # CPU flash backward peaks one query-sized buffer less the lse above its three
+        # gradients (measured, float32 and bf16, GQA or not: test_memory_plan.py).
+        extra = q.numel() * q.element_size() - lse.numel() * lse.element_size()
+        torch.empty(max(extra, 0), dtype=torch.uint8, device=q.device)
+        return grads
+
+
+def _sdpa_stand_in(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    return _FlashStandIn.apply(q, k, v)
+
+
+class _GroupedStandIn(torch.autograd.Function):
+    """`torch._grouped_mm` for float32 on meta (its meta kernel takes bf16 only): the output,
+    then the input gradients, as the CPU kernel allocates them."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w_EDF):
+        ctx.save_for_backward(x_RD, w_EDF)
+        return x_RD.new_empty((x_RD.shape[0], w_EDF.shape[2]))
+
+    @staticmethod
+    def backward(ctx, grad_RF):
+        x_RD, w_EDF = ctx.saved_tensors
+        return torch.empty_like(x_RD), torch.empty_like(w_EDF)
+
+
+def _grouped_mm_stand_in(real):
+    def grouped_mm(x_RD, w_EDF, offs=None, **kw):
+        if x_RD.dtype == torch.bfloat16:
+            return real(x_RD, w_EDF, offs=offs, **kw)
+        return _GroupedStandIn.apply(x_RD, w_EDF)
+
+    return grouped_mm
+
+
+def _grouped_mm_on(device: str):
+    """`ops.moe._grouped_mm_supported` as the target device would answer (meta tensors have
+    no data pointer to check the alignment of; the strides still are)."""
+    from slipstream.ops import moe
+
+    def supported(x_RD: torch.Tensor, w_EDF: torch.Tensor) -> bool:
+        if not moe._HAS_GROUPED_MM or x_RD.dtype != w_EDF.dtype:
+            return False
+        if device == "cpu":
+            ok = moe._GROUPED_MM_CPU and x_RD.dtype in moe._GROUPED_DTYPES_CPU
+        else:  # CUTLASS bf16 kernels on sm90/sm100, the GPUs long runs plan for
+            ok = x_RD.dtype == torch.bfloat16
+        size = x_RD.element_size()
+        aligned = (x_RD.shape[1] * size) % 16 == 0 and (w_EDF.shape[2] * size) % 16 == 0
+        dense_w = w_EDF.is_contiguous() or w_EDF.transpose(1, 2).is_contiguous()
+        return ok and aligned and x_RD.is_contiguous() and dense_w
+
+    return supported
+
+
+@contextlib.contextmanager
+def _meta_kernels(half_in_float32: bool, device: str):
+    from slipstream.ops import attention, moe
+
+    real = F.scaled_dot_product_attention, attention.CPU_HALF_IN_FLOAT32, moe._grouped_mm_supported
+    F.scaled_dot_product_attention = _sdpa_stand_in
+    attention.CPU_HALF_IN_FLOAT32 = half_in_float32
+    moe._grouped_mm_supported = _grouped_mm_on(device)
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is not None:
+        torch._grouped_mm = _grouped_mm_stand_in(grouped)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, attention.CPU_HALF_IN_FLOAT32 = real[:2]
+        moe._grouped_mm_supported = real[2]
+        if grouped is not None:
+            torch._grouped_mm = grouped
+
+
+def meta_model(setup: ProbeSetup):
+    """The run's model on the meta device: LoRA (or all trainable), tiling, checkpointing."""
+    from slipstream.memory.offload import apply_checkpointing
+    from slipstream.memory.tiled_mlp import apply_mlp_tiling
+    from slipstream.models import family_for
+
+    family = family_for(setup.hf.get("model_type"), "config.json")
+    cfg = family.config_from_hf(dict(setup.hf))
+    with torch.device("meta"):
+        model = family.build(cfg).to(setup.dtype)
+    if setup.method == "lora":
+        from slipstream.peft.lora import apply_lora
+
+        apply_lora(
+            model, rank=setup.rank, alpha=setup.alpha, targets=setup.targets,
+            use_dora=setup.use_dora,
+        )  # fmt: skip
+    else:
+        model.requires_grad_(True)
+    apply_mlp_tiling(model, setup.tiles)
+    if setup.checkpointing != "none":
+        apply_checkpointing(model, "recompute")
+    return model
+
+
+def frozen_linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the frozen nn.Linear weights inside the decoder layers (what NF4 and the CPU
+    prepack act on)."""
+    total = 0
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}" and not w.requires_grad:
+            total += w.numel() * w.element_size()
+    return total
+
+
+def probe_step(setup: ProbeSetup, lengths: list[int], model=None) -> ProbeResult:
+    """One forward + backward of `model` (default `meta_model(setup)`) over a packed batch of
+    `lengths`, every position labelled; the tracker's bytes, parameters excluded."""
+    from slipstream.ops.packing import SeqInfo
+
+    model = model if model is not None else meta_model(setup)
+    T = sum(lengths)
+    seq = SeqInfo.from_lengths(list(lengths), device="meta")
+    ids = torch.zeros(T, dtype=torch.long, device="meta")
+    positions = torch.zeros(T, dtype=torch.long, device="meta")
+    tensors = list(model.parameters()) + list(model.buffers())
+    held = tensors + [ids, positions, seq.position_ids]
+    with (
+        _meta_kernels(setup.half_attention_in_float32, setup.device),
+        LiveTensors("meta", include=held) as live,
+    ):
+        loss = model.loss(ids, ids, seq, reduction="sum", label_positions=positions)
+        after_forward = live.current - live.start
+        loss.backward()
+        del loss
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ProbeResult(
+        params=sum(t.numel() * t.element_size() for t in tensors),
+        trainable=sum(p.numel() for p in trainable),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        frozen_linear=frozen_linear_bytes(model),
+        layers=len(model.model.layers),
+        hidden=model.config.hidden_size,
+        step_peak=live.peak - live.start,
+        after_forward=after_forward,
+    )

@@ -1,0 +1,100 @@
+"""Tiled MLP: a layer's MLP run over the packed tokens a tile at a time, so that its (T, F)
+intermediates (gate, up, activation, product: ~4 T*F values, 3.5x the layer input for
+SmolLM2's F = 2.67 D, 7x for Llama-3.1-8B's F = 3.5 D) never exist for the whole batch.
+
+An MLP is per token, so tiles along the token axis give the same rows; with grad each tile is
+checkpointed (`torch.utils.checkpoint`, non-reentrant): forward keeps only the tile's input
+(a view of the layer's), and backward recomputes one tile at a time (the autograd engine
+finishes a tile's nodes before it starts the previous tile's: they are numbered later), so
+the backward of the MLP holds one tile's (T/N, F) intermediates. Weight gradients are sums
+over tiles: equal to the untiled step's up to float32 summation order. Without grad
+(evaluation, the offloaded layer's graph-free forward) the tiles run one after the other.
+
+- `tiled_call(fn, x, tiles, token_dim=0)`: the functional form; `fn(x_tile)` returns a
+  tensor or (tensor, *extras); extras (a MoE block's router statistics, sums over tokens)
+  are summed over tiles.
+- `apply_mlp_tiling(model, tiles)`: every `model.model.layers[i].mlp` (dense and MoE) tiled
+  in place by swapping its class for a subclass, as checkpointing does: parameter names,
+  `state_dict()` and LoRA wrappers stay as they were; `tiles` None or < 2 undoes it.
+- `tile_module(module, tiles, token_dim)`: the same for one module, for the generic
+  (transformers) path, whose MLPs take (B, S, D) hidden states: token_dim=1 there.
+
+Shapes: T tokens, D hidden, F MLP width, N tiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def tiled_call(fn: Callable, x: torch.Tensor, tiles: int, token_dim: int = 0):
+    """`fn(x)` computed over `tiles` near-equal slices of `x` along `token_dim`."""
+    n = x.shape[token_dim]
+    tiles = min(tiles, n)
+    if tiles < 2:
+        return fn(x)
+    size = -(-n // tiles)  # ceil: N tiles, the last one shorter
+    grad = torch.is_grad_enabled()
+    outs, extras = [], None
+    for x_tile in x.split(size, dim=token_dim):  # split: its backward is one cat
+        out = checkpoint(fn, x_tile, use_reentrant=False) if grad else fn(x_tile)
+        if isinstance(out, torch.Tensor):
+            outs.append(out)
+            continue
+        outs.append(out[0])
+        more = list(out[1:])
+        extras = more if extras is None else [a + b for a, b in zip(extras, more, strict=True)]
+    y = torch.cat(outs, dim=token_dim)
+    return y if extras is None else (y, *extras)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _tiled_forward(self, x: torch.Tensor, *args, **kwargs):
+    base = self._slipstream_tiled_base.forward
+    return tiled_call(
+        lambda x_tile: base(self, x_tile, *args, **kwargs), x, self._slipstream_tiles,
+        self._slipstream_token_dim,
+    )  # fmt: skip
+
+
+def _tiled_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        attrs = {"forward": _tiled_forward, "_slipstream_tiled_base": cls}
+        _CLASSES[cls] = type(f"Tiled{cls.__name__}", (cls,), attrs)
+    return _CLASSES[cls]
+
+
+def tile_module(module: nn.Module, tiles: int | None, token_dim: int = 0) -> nn.Module:
+    """Run `module` (a per-token MLP) in `tiles` tiles along `token_dim`, in place; tiles
+    None or < 2: back to untiled. Returns the module."""
+    base = type(module).__dict__.get("_slipstream_tiled_base")
+    if base is not None:
+        module.__class__ = base
+        del module._slipstream_tiles, module._slipstream_token_dim
+    if tiles is None or tiles < 2:
+        return module
+    module.__class__ = _tiled_class(type(module))
+    module._slipstream_tiles, module._slipstream_token_dim = int(tiles), token_dim
+    return module
+
+
+def apply_mlp_tiling(model: nn.Module, tiles: int | None) -> int:
+    """Tile every decoder layer's `mlp` of a slipstream CausalLM (dense or MoE) into `tiles`
+    tiles of the packed tokens; None or < 2: untiled. Returns how many MLPs are tiled."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers; tiling needs a CausalLM")
+    for layer in layers:
+        tile_module(layer.mlp, tiles)
+    return len(layers) if tiles is not None and tiles >= 2 else 0
+
+
+def mlp_tiles(model: nn.Module) -> int:
+    """The tiles the first layer's MLP runs in (1: untiled)."""
+    return getattr(model.model.layers[0].mlp, "_slipstream_tiles", 1)
