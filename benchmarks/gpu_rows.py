@@ -227,7 +227,7 @@ def grpo_row(v: Variant, setup: Setup) -> dict:
     vocab = setup.shapes[v.model]["vocab_size"]
     examples = [PromptExample(torch.randint(0, vocab, (int(k),), generator=g).tolist(), "", {}, i)
                 for i, k in enumerate(torch.linspace(lo, hi, n).round())]  # fmt: skip
-    window = [PromptBatch(examples[i : i + 4]) for i in range(0, n, 4)]
+    prompt_batches = [PromptBatch(examples[i : i + 4]) for i in range(0, n, 4)]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(
         model.named_parameters(), lr=1e-6, weight_decay=0.0, device=torch.device("cuda")
@@ -235,7 +235,11 @@ def grpo_row(v: Variant, setup: Setup) -> dict:
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     batches, rollout = objective.generate_batches(
-        model, _NoTextTokenizer(), window, setup.device, seeds=list(range(len(window)))
+        model,
+        _NoTextTokenizer(),
+        prompt_batches,
+        setup.device,
+        seeds=list(range(len(prompt_batches))),
     )
     gen_s, rollout_s = rollout["stats"]["gen_time_s"], rollout["seconds"]  # synced ends
 

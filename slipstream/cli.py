@@ -380,10 +380,10 @@ def out_of_memory_advice(cfg, e: BaseException) -> str:
             "train.grad_accum to keep the tokens per step"]  # fmt: skip
     if t.activation_checkpointing in ("none", "recompute"):
         tips.append("set train.activation_checkpointing=offload")
-    if cfg.lora.method == "full":
+    if cfg.train.finetune == "full":
         if t.optimizer == "adamw":
             tips.append("set train.optimizer=adamw_8bit")
-        tips.append("use lora.method=lora")
+        tips.append("use train.finetune=lora")
     elif cfg.model.quantization == "none":
         tips.append("set model.quantization=nf4 (QLoRA)")
     return f"out of GPU memory ({said}); " + ", or ".join(tips)

@@ -18,6 +18,7 @@ import contextlib
 import difflib
 import os
 import re
+import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -110,7 +111,6 @@ class DataSection(_Section):
 
 
 class LoraSection(_Section):
-    method: Literal["lora", "full"] = _opt("lora", "lora: adapters; full: every weight trained")
     rank: int = _opt(16, "LoRA rank r", gt=0)
     alpha: float = _opt(32.0, "LoRA alpha (scale alpha / rank)", gt=0)
     dropout: float = _opt(0.0, "dropout on the LoRA input", ge=0.0, lt=1.0)
@@ -129,6 +129,11 @@ class TrainSection(_Section):
         "sft",
         description="what the loss is (slipstream/objectives/; docs/preference.md, docs/grpo.md)",
         json_schema_extra={"choices": list(OBJECTIVES)},  # `slipstream config` lists them
+    )
+    finetune: Literal["lora", "full"] = _opt(
+        "lora",
+        "lora: adapters (the lora section; QLoRA with model.quantization=nf4); full: "
+        "every weight trained",
     )
     lr: float = _opt(2e-4, "peak learning rate", gt=0)
     schedule: Literal["linear", "cosine", "constant"] = _opt("cosine", "lr schedule after warmup")
@@ -252,9 +257,9 @@ class _Run(_Section):
 
     @model_validator(mode="after")
     def _embeddings_need_lora(self) -> _Run:
-        if self.lora.train_embeddings and self.lora.method == "full":
+        if self.lora.train_embeddings and self.train.finetune == "full":
             raise ValueError(
-                "lora.train_embeddings is for lora.method=lora (full trains every weight)"
+                "lora.train_embeddings is for train.finetune=lora (full trains every weight)"
             )
         if (self.model.add_tokens or self.lora.train_embeddings) and self.model.adapter:
             raise ValueError(
@@ -277,7 +282,10 @@ def _compose() -> type[_Run]:
     fields: dict[str, Any] = {
         "model": (ModelSection, Field(description="the checkpoint to fine-tune")),
         "data": (DataSection, Field(description="training and eval data")),
-        "lora": (LoraSection, Field(LoraSection(), description="adapters or full fine-tuning")),
+        "lora": (
+            LoraSection,
+            Field(LoraSection(), description="the adapters (train.finetune=lora)"),
+        ),
         "train": (TrainSection, Field(TrainSection(), description="the loop")),
     }
     for key, section in objective_sections().items():
@@ -321,11 +329,39 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ru
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Validate a plain dict (as read from YAML) into a RunConfig."""
+    raw = moved_keys(raw)
     _check_keys(raw, RunConfig, prefix="")
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ValueError(format_validation_error(e)) from None
+
+
+# Keys that moved (old dotted key -> new): the old spelling still works, with one line on
+# stderr; a config saved in an older checkpoint is read the same way, silently.
+MOVED_KEYS = {"lora.method": "train.finetune"}
+
+
+def moved_keys(raw: dict[str, Any], *, say: bool = True) -> dict[str, Any]:
+    """`raw` (not changed) with every old key of MOVED_KEYS under its new name; `say`: one
+    deprecation line on stderr for each (from the first process only under torchrun)."""
+    for old, new in MOVED_KEYS.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        values, target = raw.get(section), raw.get(new_section) or {}
+        if not isinstance(values, dict) or key not in values or not isinstance(target, dict):
+            continue
+        value = values[key]
+        if new_key in target and target[new_key] != value:
+            raise ValueError(
+                f"config: {old}={value!r} and {new}={target[new_key]!r} disagree; drop {old} "
+                f"(now {new})"
+            )
+        rest = {k: v for k, v in values.items() if k != key}
+        raw = {**raw, section: rest, new_section: {**target, new_key: value}}
+        if say and os.environ.get("RANK", "0") == "0":
+            print(f"slipstream: {old} is deprecated; write {new}: {value} instead",
+                  file=sys.stderr)  # fmt: skip
+    return raw
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -34,7 +34,8 @@ def base_model(tiny_run, tmp_path):
 def _raw(tiny_run, base, out, **data):
     raw = run_config(tiny_run, out, steps=2)
     raw["model"]["path"] = str(base)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     raw["data"].update(data)
     return raw
 

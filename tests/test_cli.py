@@ -21,7 +21,8 @@ def write_yaml(path: Path, raw: dict) -> Path:
 
 def lora_config(tiny_run, out):  # noqa: F811
     raw = run_config(tiny_run, out, lr=2e-2, steps=10, grad_accum=2, eval_every=5)
-    raw["lora"] = {"method": "lora", "rank": 8, "alpha": 16, "targets": "all-linear"}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 8, "alpha": 16, "targets": "all-linear"}
     return raw
 
 
@@ -156,7 +157,7 @@ OOM = (
 @pytest.mark.parametrize(
     "overrides,tips,not_tips",
     [
-        (["lora.method=full"], ["adamw_8bit", "lora.method=lora", "offload"], ["nf4"]),
+        (["train.finetune=full"], ["adamw_8bit", "train.finetune=lora", "offload"], ["nf4"]),
         (["train.activation_checkpointing=offload", "model.quantization=nf4"], [],
          ["adamw_8bit", "nf4", "offload"]),
         (["train.activation_checkpointing=recompute"], ["nf4", "offload"], ["adamw_8bit"]),

@@ -30,7 +30,7 @@ def config_file(tmp_path):
 
 def test_yaml_and_defaults(config_file):
     cfg = load_config(config_file)
-    assert cfg.lora.rank == 8 and cfg.lora.alpha == 32.0 and cfg.lora.method == "lora"
+    assert cfg.lora.rank == 8 and cfg.lora.alpha == 32.0 and cfg.train.finetune == "lora"
     assert cfg.train.lr == 1e-3 and cfg.train.steps == 10 and cfg.train.grad_accum == 1
     assert cfg.train.activation_checkpointing == "auto"
     assert cfg.model.quantization == "none" and cfg.resume is False
@@ -40,7 +40,7 @@ def test_overrides_use_yaml_scalar_rules(config_file):
     cfg = load_config(
         config_file,
         ["train.lr=1e-4", "lora.rank=32", "lora.targets=[q_proj, v_proj]", "train.clip=null",
-         "resume=true", "data.train=other.data.jsonl", "lora.method=full"],
+         "resume=true", "data.train=other.data.jsonl", "train.finetune=full"],
     )  # fmt: skip
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.lora.rank == 32
@@ -48,7 +48,38 @@ def test_overrides_use_yaml_scalar_rules(config_file):
     assert cfg.train.clip is None
     assert cfg.resume is True
     assert cfg.data.train == "other.data.jsonl"
-    assert cfg.lora.method == "full"
+    assert cfg.train.finetune == "full"
+
+
+@pytest.mark.parametrize("how", ["yaml", "override"])
+def test_the_old_lora_method_key_still_works_with_one_notice(tmp_path, capsys, how):
+    """`lora.method` moved to `train.finetune`: the old spelling gives the same config and
+    one deprecation line naming the new key."""
+    raw = {**BASE, "lora": {"rank": 8, "method": "full"}} if how == "yaml" else BASE
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path, ["lora.method=full"] if how == "override" else [])
+    assert cfg.train.finetune == "full" and cfg.lora.rank == 8
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["slipstream: lora.method is deprecated; write train.finetune: full instead"]
+    assert "method" not in cfg.model_dump()["lora"]
+    # Both spellings agreeing is fine; disagreeing is one line naming both.
+    assert load_config(path, ["train.finetune=full", "lora.method=full"]).train.finetune == "full"
+    with pytest.raises(ValueError, match="lora.method='lora' and train.finetune='full' disagree"):
+        load_config(path, ["train.finetune=full", "lora.method=lora"])
+
+
+def test_a_config_saved_before_the_move_reads_silently(capsys):
+    """Checkpoints keep the config they were trained with: an old one (lora.method) reads
+    as the new, with no notice (export and resume read it)."""
+    from slipstream.config import RunConfig, config_from_dict, moved_keys
+
+    old = config_from_dict({**BASE, "train": {"finetune": "full"}}).model_dump(mode="json")
+    old["lora"]["method"] = old["train"].pop("finetune")
+    capsys.readouterr()
+    cfg = RunConfig.model_validate(moved_keys(old, say=False))
+    assert cfg.train.finetune == "full" and "method" in old["lora"]  # the input is kept
+    assert capsys.readouterr().err == ""
 
 
 def test_override_creates_missing_section(tmp_path):

@@ -163,7 +163,8 @@ def _train(tiny_run, out, dtype: str) -> dict:
 
     raw = run_config(tiny_run, out, steps=8, eval_every=0)
     raw["model"]["dtype"] = dtype
-    raw["lora"] = {"method": "lora", "rank": 8, "alpha": 16}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 8, "alpha": 16}
     summary = train(config_from_dict(raw))
     return summary
 

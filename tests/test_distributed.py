@@ -33,7 +33,7 @@ def lora_config(tiny_run, out, **train):  # noqa: F811
     return {
         "model": {"path": str(model_dir)},
         "data": {"train": str(data), "eval_fraction": 0.125},
-        "lora": {"method": "lora", "rank": 4, "alpha": 8},
+        "lora": {"rank": 4, "alpha": 8},
         "train": {
             "lr": 2e-2, "steps": STEPS, "tokens_per_batch": 128, "warmup_steps": 1,
             "log_every": 1, "save_every": 3, "device": "cpu", "dist_timeout_s": 60, **train,
@@ -145,7 +145,7 @@ def test_full_finetune_defaults_to_fsdp_and_exports_the_full_model(tiny_run, tmp
     single, multi = tmp_path / "single", tmp_path / "multi"
     for out, accum in ((single, 4), (multi, 2)):
         raw = lora_config(tiny_run, out, grad_accum=accum, steps=3, lr=3e-3, save_every=0)
-        raw["lora"] = {"method": "full"}
+        raw["train"]["finetune"] = "full"
         if out == single:
             train(config_from_dict(raw))
         else:

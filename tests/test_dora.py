@@ -174,7 +174,8 @@ def test_trainer_runs_dora_without_host_syncs(tiny_run, tmp_path):
     from slipstream.train import train
 
     raw = run_config(tiny_run, tmp_path / "run", steps=6, lr=2e-2)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "use_dora": True}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8, "use_dora": True}
     summary = train(config_from_dict(raw))
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.3
     saved = json.loads((tmp_path / "run" / "adapter_config.json").read_text())

@@ -22,7 +22,8 @@ def one_line(capsys) -> str:
 def interrupted(tiny_run, out, method: str):
     raw = run_config(tiny_run, out, steps=6, save_every=2)
     if method == "lora":  # run_config's default is full fine-tuning
-        raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+        raw["train"]["finetune"] = "lora"
+        raw["lora"] = {"rank": 4, "alpha": 8}
     summary = train_until_signal(config_from_dict(raw), at_step=3)
     assert summary["status"] == "interrupted" and summary["steps"] == 3
     return list_checkpoints(out)[-1]

@@ -13,14 +13,14 @@ from helpers.runs import losses, run_config
 from slipstream import cli
 from slipstream.train.state import list_checkpoints, write_manifest
 
-LORA = {"method": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
 
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_run, tmp_path_factory):
     """A LoRA run of 4 steps with checkpoints at 2 and 4 (its output is an adapter too)."""
     out = tmp_path_factory.mktemp("fixed") / "run"
-    raw = {**run_config(tiny_run, out, steps=4, save_every=2), "lora": dict(LORA)}
+    raw = {**run_config(tiny_run, out, steps=4, save_every=2, finetune="lora"), "lora": dict(LORA)}
     assert cli.main(["train", write(out.parent / "run.yaml", raw)]) == 0
     return raw
 
@@ -30,8 +30,10 @@ def write(path, raw) -> str:
     return str(path)
 
 
-def train_again(raw, tmp_path, capsys, **lora):
+def train_again(raw, tmp_path, capsys, finetune=None, **lora):
     raw = {**raw, "lora": {**raw["lora"], **lora}, "resume": True}
+    if finetune is not None:
+        raw["train"] = {**raw["train"], "finetune": finetune}
     capsys.readouterr()
     code = cli.main(["train", write(tmp_path / "again.yaml", raw)])
     return code, capsys.readouterr().err
@@ -45,7 +47,7 @@ def train_again(raw, tmp_path, capsys, **lora):
         ({"targets": ["q_proj"]}, "lora.targets: ['q_proj', 'v_proj'] in the checkpoint, "
                                   "['q_proj'] now"),
         ({"use_dora": True}, "lora.use_dora: False in the checkpoint, True now"),
-        ({"method": "full"}, "lora.method: 'lora' in the checkpoint, 'full' now"),
+        ({"finetune": "full"}, "train.finetune: 'lora' in the checkpoint, 'full' now"),
         ({"rank": 8, "alpha": 16}, "lora.rank: 4 in the checkpoint, 8 now; lora.alpha: 8.0"),
     ],
 )  # fmt: skip
@@ -75,7 +77,7 @@ def test_an_old_checkpoint_without_its_config_gets_the_shape_in_one_line(
     tiny_run, tmp_path, capsys
 ):
     out = tmp_path / "old"
-    raw = {**run_config(tiny_run, out, steps=3, save_every=2), "lora": dict(LORA)}
+    raw = {**run_config(tiny_run, out, steps=3, save_every=2, finetune="lora"), "lora": dict(LORA)}
     assert cli.main(["train", write(tmp_path / "run.yaml", raw)]) == 0
     checkpoint = list_checkpoints(out)[-1]
     state = torch.load(checkpoint / "state.pt", weights_only=True)
@@ -91,9 +93,9 @@ def test_an_old_checkpoint_without_its_config_gets_the_shape_in_one_line(
 def test_a_starting_adapters_settings_win_and_are_said_once(lora_run, tmp_path, capsys):
     adapter = lora_run["output_dir"]
     raw = {
-        **run_config(lora_run_tiny(lora_run), tmp_path / "next", steps=1),
+        **run_config(lora_run_tiny(lora_run), tmp_path / "next", steps=1, finetune="lora"),
         "model": {**lora_run["model"], "adapter": adapter},
-        "lora": {"method": "lora", "rank": 32, "alpha": 8, "dropout": 0.1},
+        "lora": {"rank": 32, "alpha": 8, "dropout": 0.1},
     }
     capsys.readouterr()
     assert cli.main(["train", write(tmp_path / "next.yaml", raw)]) == 0
@@ -110,9 +112,9 @@ def test_a_starting_adapters_settings_win_and_are_said_once(lora_run, tmp_path, 
 
 def test_an_adapter_without_conflicting_settings_says_nothing(lora_run, tmp_path, capsys):
     raw = {
-        **run_config(lora_run_tiny(lora_run), tmp_path / "next", steps=1),
+        **run_config(lora_run_tiny(lora_run), tmp_path / "next", steps=1, finetune="lora"),
         "model": {**lora_run["model"], "adapter": lora_run["output_dir"]},
-        "lora": {"method": "lora"},
+        "lora": {},
     }
     capsys.readouterr()
     assert cli.main(["train", write(tmp_path / "next.yaml", raw)]) == 0

@@ -323,7 +323,7 @@ def test_trainer_lora_run_writes_an_adapter_peft_loads(tmp_path):
     raw = {
         "model": {"path": str(model_dir)},
         "data": {"train": str(data)},
-        "lora": {"method": "lora", "rank": 4, "alpha": 8},
+        "lora": {"rank": 4, "alpha": 8},
         "train": {
             "lr": 3e-3, "steps": 4, "tokens_per_batch": 128, "warmup_steps": 1,
             "log_every": 1, "device": "cpu", "activation_checkpointing": "none",

@@ -44,7 +44,7 @@ def grpo_config(tiny, out, **grpo):
     return {
         "model": {"path": str(model_dir)},
         "data": {"train": str(data)},
-        "lora": {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.1},
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
         "train": {
             "objective": "grpo", "lr": 2e-2, "steps": 4, "tokens_per_batch": 2 * 4 * 60,
             "grad_accum": 2, "log_every": 1, "save_every": 2, "device": "cpu",
@@ -192,7 +192,7 @@ def test_fsdp_full_finetune_with_mu_two_and_kl_matches_one_process(tiny, tmp_pat
     def config(out):
         raw = two_rank_config(tiny, out)
         raw["grpo"].update(iterations_per_batch=2, beta=0.05)
-        raw["lora"] = {"method": "full"}
+        raw["train"]["finetune"] = "full"
         raw["train"].update(lr=1e-3, save_every=0)
         return raw
 
@@ -213,7 +213,8 @@ def test_fsdp_lora_from_an_adapter_with_kl_matches_one_process(tiny, tmp_path):
     start = tmp_path / "sft"
     model_dir = tiny[0]
     raw = run_config((model_dir, model_dir.parent / "train.jsonl"), start, steps=3)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     train(config_from_dict(raw))
 
     def config(out):

@@ -64,7 +64,7 @@ def _config(moe_run, out, **train):
     return {
         "model": {"path": str(model_dir)},
         "data": {"train": str(data), "eval_fraction": 0.125},
-        "lora": {"method": "lora", "rank": 4, "alpha": 8, "targets": "all-linear"},
+        "lora": {"rank": 4, "alpha": 8, "targets": "all-linear"},
         "train": {
             "lr": 2e-2, "steps": 8, "tokens_per_batch": 128, "grad_accum": 2, "log_every": 1,
             "device": "cpu", "activation_checkpointing": "recompute", **train,

@@ -220,8 +220,10 @@ def test_training_run_trains_new_rows_and_resumes_exactly(tmp_path):
 def test_config_and_adapter_errors(tmp_path):
     d = base_dir(tmp_path, tied=False)
     base = {"model": {"path": str(d)}, "data": {"train": "x.jsonl"}, "output_dir": "o"}
-    with pytest.raises(ValueError, match="lora.train_embeddings is for lora.method=lora"):
-        config_from_dict({**base, "lora": {"method": "full", "train_embeddings": ["lm_head"]}})
+    with pytest.raises(ValueError, match="lora.train_embeddings is for train.finetune=lora"):
+        config_from_dict(
+            {**base, "train": {"finetune": "full"}, "lora": {"train_embeddings": ["lm_head"]}}
+        )
     with pytest.raises(ValueError, match="model.add_tokens: give each token once"):
         config_from_dict({**base, "model": {"path": str(d), "add_tokens": ["<a>", "<a>"]}})
     with pytest.raises(ValueError, match="lora.train_embeddings"):

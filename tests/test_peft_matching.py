@@ -361,7 +361,8 @@ def test_cli_train_from_a_peft_all_linear_adapter(tiny_run, tmp_path, capsys):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
     pm = _peft_made(hf, tmp_path / "peft", target_modules="all-linear", r=4, lora_alpha=8)
     raw = run_config(tiny_run, tmp_path / "out", steps=2)
-    raw["lora"] = {"method": "lora"}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {}
     raw["model"]["adapter"] = str(tmp_path / "peft")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
     assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0

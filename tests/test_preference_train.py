@@ -38,7 +38,8 @@ def tiny(tmp_path_factory):
     pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(24)))
     sft = root / "sft"  # a starting adapter, as an SFT run writes it
     raw = run_config((model_dir, sft_data), sft, steps=3)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     train(config_from_dict(raw))
     return model_dir, pairs, sft, sft_data
 
@@ -48,7 +49,8 @@ def dpo_config(tiny, out, **train_options):
     options = {"objective": "dpo", "steps": 4, "lr": 1e-2, **train_options}
     raw = run_config((model_dir, pairs), out, **options)
     raw["model"]["adapter"] = str(sft)
-    raw["lora"] = {"method": "lora"}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {}
     raw["data"]["eval_fraction"] = 0.25
     raw["train"]["tokens_per_batch"] = 256
     return raw
@@ -201,7 +203,8 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, mode):
     if reference == "start":
         start = tmp_path / "sft"
         raw = run_config((model_dir, sft_data), start, steps=3)
-        raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8,
+        raw["train"]["finetune"] = "lora"
+        raw["lora"] = {"rank": 4, "alpha": 8,
                        "targets": ["q_proj", "v_proj", "down_proj"]}  # fmt: skip
         train(config_from_dict(raw))
 

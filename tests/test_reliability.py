@@ -46,7 +46,8 @@ def error_line(capsys) -> str:
 
 
 def lora(raw: dict) -> dict:
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     return raw
 
 

@@ -56,7 +56,8 @@ def test_the_order_before_the_fix_hangs(tmp_path):
 
 def end_config(tiny_run, out: Path, parallel: str, steps: int) -> dict:
     raw = run_config(tiny_run, out, steps=steps, grad_accum=1, save_every=0)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     raw["train"].update(parallel=parallel, dist_timeout_s=60)
     raw["data"]["eval_fraction"] = 0
     return raw

@@ -35,7 +35,7 @@ def test_full_finetune_loss_drops_and_writes_outputs(tiny_run, tmp_path):
                  "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:  # fmt: skip
         assert (out / name).is_file(), name
     written = yaml.safe_load((out / "config.yaml").read_text())
-    assert written["train"]["steps"] == 12 and written["lora"]["method"] == "full"
+    assert written["train"]["steps"] == 12 and written["train"]["finetune"] == "full"
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["eval_loss_after"] == summary["eval_loss_after"]
     assert 0.5 < on_disk["packing_efficiency"] <= 1.0
@@ -234,7 +234,8 @@ def test_lora_plus_gives_b_factors_their_multiple_of_the_lr(tiny_run, tmp_path):
     for ratio in (None, 16.0):
         out = tmp_path / str(ratio)
         raw = run_config(tiny_run, out, steps=3, lr=1e-3)
-        raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "plus_ratio": ratio}
+        raw["train"]["finetune"] = "lora"
+        raw["lora"] = {"rank": 4, "alpha": 8, "plus_ratio": ratio}
         train(config_from_dict(raw))
         tensors = load_file(out / "adapter_model.safetensors")
         sizes[ratio] = sum(t.norm() for k, t in tensors.items() if "lora_B" in k)

@@ -42,7 +42,7 @@ class Objective(Protocol):
     perplexity: bool  # eval logs eval_ppl = exp(eval_loss): the loss is a mean token NLL
     online: bool = False
     metric_names: tuple[str, ...] = ()  # every key micro_batch_loss may return
-    iterations: int = 1  # optimizer steps a window of prompts serves (GRPO's mu)
+    iterations: int = 1  # optimizer steps one draw of prompt batches serves (GRPO's mu)
 
     def attach(self, ctx: HookContext, data: Any) -> None:
         """After the model is built, before data-parallel wrapping; `data` the RunData

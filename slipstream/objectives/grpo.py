@@ -5,8 +5,8 @@ One optimizer step: the loop collates the step's prompt batches and hands them t
 `rollout(ctx, step, prompt_batches)` (ctx: objectives/base.py `HookContext`), which
 1. generates G completions per prompt (`generation.engine`, LoRA unmerged, eval mode, no
    grad), one prompt batch at a time, sampling seeded from (train.seed, rollout index, the
-   batch's place in the step's global window): a resumed run, and the same step on any
-   number of ranks, draw the same completions,
+   batch's place among the step's prompt batches over all ranks): a resumed run, and the
+   same step on any number of ranks, draw the same completions,
 2. scores them with the reward functions (host) and turns rewards into group-normalised
    advantages (a group is one prompt's G completions, always on one rank),
 3. packs the prompt+completion sequences by their real length into micro-batches within
@@ -17,7 +17,7 @@ The loop then runs its usual accumulation over those micro-batches: `micro_batch
 the clipped surrogate over completion tokens, log-probs through the chunked LM head, no host
 sync. `iterations_per_batch` = mu: one rollout serves mu consecutive optimizer steps (its
 prompts drawn once); mu = 1 takes the old log-probs as the detached current ones (ratio 1,
-as TRL). A run resumed in the middle of a rollout's mu steps rolls that window out
+as TRL). A run resumed in the middle of a rollout's mu steps rolls those prompt batches out
 again with the resumed weights (exact resume needs save_every a multiple of mu). A prompt
 example's packed length is G * (prompt + max_completion_tokens), so a
 prompt batch's completions always fit one micro-batch.
@@ -53,7 +53,7 @@ from slipstream.objectives.logps import token_logps
 
 
 def rollout_seed(seed: int, index: int, position: int) -> int:
-    """The sampling seed of prompt batch `position` of the step's global window in rollout
+    """The sampling seed of prompt batch `position` among the step's (all ranks') in rollout
     `index` of a run seeded `seed` (train.seed): the same completions on any number of ranks."""
     return ((seed * 1_000_003 + index) * 65_537 + position) % (1 << 62)
 
@@ -80,7 +80,8 @@ class GRPO(OnlineObjective):
             g, d, t = cfg.grpo, cfg.data, cfg.train
             self.budget = t.tokens_per_batch
             self.data_options = dict(overlong=d.overlong, strict=d.strict)
-            self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
+            self.full = cfg.train.finetune == "full"
+            self.from_adapter = cfg.model.adapter is not None
         else:
             g = GRPOSection.from_options("GRPO", options)
             self.budget = 1 << 30
@@ -128,31 +129,33 @@ class GRPO(OnlineObjective):
         return batch.weight
 
     # -- rollout ------------------------------------------------------------------------
-    def rollout(self, ctx: HookContext, step: int, window: list[PromptBatch]):
+    def rollout(self, ctx: HookContext, step: int, prompt_batches: list[PromptBatch]):
         """-> (training micro-batches on the run's device, host stats of this rollout, or
         {} when the step reuses the last rollout (mu > 1))."""
         index = (step - 1) // self.mu
         if self._cached is not None and self._cached[0] == index:
             return self._cached[1], {}
         world, rank = ctx.world_size, ctx.rank
-        seeds = [rollout_seed(ctx.seed, index, rank + world * k) for k in range(len(window))]
-        batches, stats = self.generate_batches(ctx.model, ctx.tokenizer, window, ctx.device,
+        seeds = [
+            rollout_seed(ctx.seed, index, rank + world * k) for k in range(len(prompt_batches))
+        ]
+        batches, stats = self.generate_batches(ctx.model, ctx.tokenizer, prompt_batches, ctx.device,
                                                seeds=seeds)  # fmt: skip
         if self.mu > 1:  # kept for the rollout's next mu - 1 steps only
             self._cached = (index, batches)
         return batches, stats
 
-    def generate_batches(self, model, tokenizer, window, device, *, seeds: list[int]):
+    def generate_batches(self, model, tokenizer, prompt_batches, device, *, seeds: list[int]):
         """Generate (each prompt batch with its seed), score, pack (module docstring)."""
         from slipstream.generation.sampling import Sampling
 
         g, G = self.options, self.G
-        examples = [ex for b in window for ex in b.examples]
+        examples = [ex for b in prompt_batches for ex in b.examples]
         sampling = Sampling(g.temperature, g.top_p)
         start = time.perf_counter()
         rows = []
         with dist.gathered_for_generation(model):  # FSDP2: no collective while decoding
-            for b, seed in zip(window, seeds, strict=True):
+            for b, seed in zip(prompt_batches, seeds, strict=True):
                 generator = torch.Generator(device).manual_seed(seed)
                 rows += self._complete(model, tokenizer, b.examples, sampling, G, generator)
         gen_s = time.perf_counter() - start
@@ -171,7 +174,7 @@ class GRPO(OnlineObjective):
                    truncated[i] and g.mask_truncated_completions)
             for i, c in enumerate(completions)
         ]  # fmt: skip
-        batches = self.pack(samples, window, device)
+        batches = self.pack(samples, prompt_batches, device)
         self.add_logps(model, batches)
         if torch.device(device).type == "cuda":  # the rollout's time includes its forwards
             torch.cuda.synchronize(device)
@@ -232,10 +235,10 @@ class GRPO(OnlineObjective):
         }
         return {"loss": -reward, "reward": reward, **per_function}
 
-    def pack(self, samples: list[Sample], window: list[PromptBatch], device) -> list:
+    def pack(self, samples: list[Sample], prompt_batches: list[PromptBatch], device) -> list:
         G, n = self.G, 0
         fallback = []
-        for b in window:  # the prompt batches' own grouping fits by construction
+        for b in prompt_batches:  # their own grouping fits by construction
             fallback.append(list(range(n, n + G * len(b.examples))))
             n += G * len(b.examples)
         bins = pack_sequences([len(s) for s in samples], self.budget, fallback)

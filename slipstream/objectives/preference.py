@@ -153,7 +153,8 @@ class PairObjective(Objective):
                 max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
                 overlong=d.overlong, strict=d.strict,
             )  # fmt: skip
-            self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
+            self.full = cfg.train.finetune == "full"
+            self.from_adapter = cfg.model.adapter is not None
         self.options = p
         self.beta, self.label_smoothing, self.gamma = p.beta, p.label_smoothing, p.simpo_gamma
 

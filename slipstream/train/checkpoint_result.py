@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.config import RunConfig
+from slipstream.config import RunConfig, moved_keys
 from slipstream.train.setup import add_tokens, build_model, save_result, set_chat_template
 from slipstream.train.state import CheckpointError, read_state, verify_checkpoint
 
@@ -35,7 +35,7 @@ def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
             f"{state.get('world_size', '?')} processes); resume the run to its end "
             "(resume=true) and export the run folder"
         )
-    cfg = RunConfig.model_validate(state["extra"]["config"])
+    cfg = RunConfig.model_validate(moved_keys(state["extra"]["config"], say=False))
     train = cfg.train.model_copy(
         update={
             "activation_checkpointing": "none",
@@ -45,7 +45,7 @@ def write_result(checkpoint: str | Path, into: Path) -> RunConfig:
         }  # fmt: skip
     )
     model_cfg = cfg.model.model_copy(update={"quantization": "none"})
-    if cfg.lora.method == "full":  # the weights in the dtype they were trained in
+    if cfg.train.finetune == "full":  # the weights in the dtype they were trained in
         dtype = next(iter(state["model"].values())).dtype
         model_cfg = model_cfg.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
     cfg = cfg.model_copy(update={"train": train, "model": model_cfg})

@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from slipstream import distributed as dist
-from slipstream.config import RunConfig
+from slipstream.config import RunConfig, moved_keys
 from slipstream.train.state import read_state
 
 # What shapes the trained weights or the optimizer's parameter groups. With a starting
 # adapter the lora shape keys are the adapter's, so only the adapter itself must match.
-ALWAYS = ("model.adapter", "lora.method", "train.optimizer")
+ALWAYS = ("model.adapter", "train.finetune", "train.optimizer")
 LORA_SHAPE = ("lora.rank", "lora.alpha", "lora.targets", "lora.use_rslora", "lora.use_dora")
 LORA_GROUPS = ("lora.plus_ratio",)  # LoRA+ puts the B factors in a group of their own
 
 
 def resume_keys(config: dict[str, Any]) -> tuple[str, ...]:
-    lora = config["lora"]["method"] == "lora"
+    lora = config["train"]["finetune"] == "lora"
     adapter = config["model"].get("adapter") is not None
     return ALWAYS + (LORA_GROUPS if lora else ()) + (LORA_SHAPE if lora and not adapter else ())
 
@@ -43,6 +43,7 @@ def check_resume_settings(cfg: RunConfig, checkpoint: Path) -> None:
     saved = read_state(checkpoint, mmap=True)["extra"].get("config")
     if saved is None:
         return
+    saved = moved_keys(saved, say=False)  # a checkpoint from before a key moved
     now = cfg.model_dump(mode="json")
     differ = [
         f"{key}: {value(saved, key)!r} in the checkpoint, {value(now, key)!r} now"
@@ -68,7 +69,7 @@ ADAPTER_KEYS = {
 def adapter_overrides(cfg: RunConfig, adapter: Path) -> list[str]:
     """`lora.KEY=VALUE (the adapter's KEY=VALUE)` for each lora value the user set that the
     starting adapter replaces; empty for full fine-tuning (the adapter is merged)."""
-    if cfg.lora.method != "lora":
+    if cfg.train.finetune != "lora":
         return []
     saved = json.loads((adapter / "adapter_config.json").read_text())
     found = []

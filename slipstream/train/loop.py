@@ -4,8 +4,8 @@ Set-up is `prepare_run` (train/run.py); the loss is the objective's (slipstream/
 `train.objective`); logging is the step meter's (train/meter.py).
 
 Loss normalisation: each micro-batch's loss is *summed* (over its labelled tokens for SFT)
-and divided by the weight of the whole accumulation window (the objective's host int from
-the collator, no sync). So `grad_accum=4` with a quarter of the token budget gives the same
+and divided by the weight of the optimizer step's micro-batches (the objective's host int
+from the collator, no sync). So `grad_accum=4` with a quarter of the token budget gives the same
 update as one full batch, and long and short examples weigh per token, not per batch.
 
 Under torchrun (docs/distributed.md) each global step's `grad_accum * world` micro-batches
@@ -67,23 +67,23 @@ def run_steps(run: Run) -> dict[str, Any]:
     if run.start_step == 0 and evaluates(run):
         run.eval_before = eval_point(run, meter, 0)
     # The data stream is a pure function of (seed, micro-batch index): resume needs no state.
-    # An objective with a rollout (GRPO) trains `iterations` steps on one window's prompts.
+    # An online objective (GRPO) trains `iterations` steps on one draw of prompt batches.
     repeat = objective.iterations
     start = run.start_step // repeat * run.per_step
     stream = micro_batch_stream(len(run.data.train_batches), t.seed, start)
-    window: list[Any] = []
+    step_batches: list[Any] = []  # micro-batches, or an online objective's prompt batches
     clip = t.clip if t.clip is not None else math.inf
     step, stopped_by = run.start_step, None
     run.model.train()
     with StopSignal() as stop:
         for step in range(run.start_step + 1, run.total_steps + 1):
-            if (step - 1) % repeat == 0 or not window:
+            if (step - 1) % repeat == 0 or not step_batches:
                 mine = [next(stream) for _ in range(run.per_step)]
-                window = [collate_batch(run, run.data.train, run.data.train_batches[i])
-                          for i in mine[dist.rank() :: dist.world_size()]]  # fmt: skip
-            batches = window
+                step_batches = [collate_batch(run, run.data.train, run.data.train_batches[i])
+                                for i in mine[dist.rank() :: dist.world_size()]]  # fmt: skip
+            batches = step_batches
             if objective.online:  # generation (GRPO): prompt batches -> sequences
-                batches, rollout = objective.rollout(run.context, step, window)
+                batches, rollout = objective.rollout(run.context, step, step_batches)
                 meter.add_rollout(rollout)
             weight = sum(objective.weight(b) for b in batches)
             loss, metrics = accumulate_gradients(
@@ -120,24 +120,24 @@ def run_steps(run: Run) -> dict[str, Any]:
 
 def accumulate_gradients(
     model: torch.nn.Module,
-    window: list[Any],
+    micro_batches: list[Any],
     objective: Any,
     weight: int | torch.Tensor | None = None,
     ddp: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Backward over one accumulation window; returns the summed loss and metric sums
+    """Backward over one optimizer step's micro-batches; returns the summed loss and metric sums
     (detached device tensors). No host sync here.
 
-    Each micro-batch's summed loss is divided by `weight`, the window's (or under torchrun
+    Each micro-batch's summed loss is divided by `weight`, their (or under torchrun
     the whole step's) total of `objective.weight`, so the gradient equals that of one batch
-    holding the whole window. `ddp`: the DDP wrapper the loss runs through, if any.
+    holding them all. `ddp`: the DDP wrapper the loss runs through, if any.
     """
     if weight is None:
-        weight = max(sum(objective.weight(b) for b in window), 1)  # host ints
+        weight = max(sum(objective.weight(b) for b in micro_batches), 1)  # host ints
     world = dist.world_size()  # DDP and FSDP average gradients over ranks; we want the sum
     loss_sum, metric_sums = None, {}
-    for i, batch in enumerate(window):
-        with dist.gradient_sync(model, ddp, enabled=i == len(window) - 1):
+    for i, batch in enumerate(micro_batches):
+        with dist.gradient_sync(model, ddp, enabled=i == len(micro_batches) - 1):
             loss, metrics = dist.run_through(ddp, objective.micro_batch_loss, model, batch)
             (loss * world / weight).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

@@ -1,7 +1,7 @@
 """The step meter: the sums a logged step reports, kept on the device between logged steps
 and read to the host once per logged step.
 
-Between logged steps the meter adds each window's loss and metric sums (device tensors, no
+Between logged steps the meter adds each step's loss and metric sums (device tensors, no
 sync) and its host counts (weight, tokens, FLOPs from the host lengths). A logged step sums
 them over ranks and reads them with the grad norm in one transfer (`.tolist()` of a few
 numbers): with `log_every=10` one stall every 10 optimizer steps. Logged values are sums
@@ -39,7 +39,7 @@ class StepMeter:
             first_files={"config.yaml": dump_config(run.cfg)},
         )  # fmt: skip
         self.flop_rate = peak_flops(run.device)
-        full = run.cfg.lora.method == "full"
+        full = run.cfg.train.finetune == "full"
         self.step_flops = StepFlops(run.model, lora=not full) if self.flop_rate else None
         self.tokens_total = run.tokens  # over all ranks, up to the last logged step
         self.last_loss: float | None = None
@@ -50,8 +50,9 @@ class StepMeter:
         self.rollout_stats: dict[str, list[float]] = {}
         self.last_time = time.perf_counter()
 
-    def add(self, window: list[Any], weight: int, loss: torch.Tensor, metrics: dict) -> None:
-        """One window of this rank: `weight` a host int, `loss` and `metrics` device sums."""
+    def add(self, micro_batches: list[Any], weight: int, loss: torch.Tensor, metrics: dict) -> None:
+        """One optimizer step's micro-batches of this rank: `weight` a host int, `loss` and
+        `metrics` device sums."""
         unknown = metrics.keys() - self.metric_names
         if unknown:  # the names are the objective's contract (objectives/base.py)
             raise RuntimeError(f"objective returned metrics {sorted(unknown)} that its "
@@ -60,9 +61,9 @@ class StepMeter:
         for name, value in metrics.items():
             self.metrics.setdefault(name, torch.zeros((), device=self.device)).add_(value)
         self.weight += weight
-        self.tokens += sum(b.input_ids.numel() for b in window)
+        self.tokens += sum(b.input_ids.numel() for b in micro_batches)
         if self.step_flops:  # from the host lengths: no device work
-            self.flops += sum(self.step_flops(b.seq.lengths) for b in window)
+            self.flops += sum(self.step_flops(b.seq.lengths) for b in micro_batches)
 
     def add_rollout(self, rollout: dict[str, Any]) -> None:
         """An objective's rollout (GRPO): `{"stats": {name: value}, "seconds": s}`, host

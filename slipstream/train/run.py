@@ -111,7 +111,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         plan = plan_for_run(cfg, device.type, say=dist.print_main)
     world = dist.world_size()
     mode = dist.resolve_mode(
-        t.parallel, method=cfg.lora.method, quantization=cfg.model.quantization,
+        t.parallel, method=cfg.train.finetune, quantization=cfg.model.quantization,
         optimizer=t.optimizer,
     )  # fmt: skip
     seed_everything(t.seed)  # the same seed on every rank: identical initial weights
@@ -139,7 +139,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     optimizer = build_optimizer(
         model.named_parameters(), lr=t.lr, weight_decay=t.weight_decay, device=device,
         kind=t.optimizer,
-        lora_plus_ratio=cfg.lora.plus_ratio if cfg.lora.method == "lora" else None,
+        lora_plus_ratio=cfg.lora.plus_ratio if cfg.train.finetune == "lora" else None,
     )  # fmt: skip
     epochs = t.epochs if t.epochs is not None else 1.0
     per_step = t.grad_accum * world
@@ -235,7 +235,7 @@ def finish_run(
         "signal": stopped_by or None,
         "steps": step,
         "total_steps": run.total_steps,
-        "method": cfg.lora.method,
+        "method": cfg.train.finetune,
         "final_train_loss": meter.last_loss,
         "eval_loss_before": before,
         "eval_loss_after": eval_after,

@@ -118,8 +118,8 @@ def build_model(
     from slipstream.checkpoint.hf import load_model
 
     quantize = None if cfg.model.quantization == "none" else cfg.model.quantization
-    if quantize and cfg.lora.method == "full":
-        raise ValueError("model.quantization=nf4 trains adapters only; set lora.method=lora")
+    if quantize and cfg.train.finetune == "full":
+        raise ValueError("model.quantization=nf4 trains adapters only; set train.finetune=lora")
     dtype, why = choose_dtype(cfg.model.dtype, device)
     what = f"{str(dtype).removeprefix('torch.')}{', NF4' if quantize else ''}"
     dist.print_main(f"slipstream: dtype {what} ({why})")
@@ -138,11 +138,11 @@ def build_model(
 
         # The adapter's own r, alpha and targets (adapter_config.json) win over `lora`'s.
         load_adapter(model, check_adapter_dir(cfg.model.adapter, "model.adapter"))
-        if cfg.lora.method == "full":  # full fine-tuning starts from the merged weights
+        if cfg.train.finetune == "full":  # full fine-tuning starts from the merged weights
             from slipstream.peft.lora import merge_lora
 
             merge_lora(model)
-    if cfg.lora.method == "lora" and cfg.model.adapter is None:
+    if cfg.train.finetune == "lora" and cfg.model.adapter is None:
         from slipstream.peft.lora import apply_lora
 
         lo = cfg.lora
@@ -155,7 +155,7 @@ def build_model(
 
             rows = new_token_rows(model, new_ids, lo.train_embeddings)
             apply_embedding_training(model, rows=rows, full=lo.train_embeddings)
-    elif cfg.lora.method == "full":
+    elif cfg.train.finetune == "full":
         model.requires_grad_(True)
     # Not under compile (dynamo cannot trace oneDNN's packed weights) nor FSDP2 (shards).
     prepack = not cfg.train.compile and cfg.train.parallel != "fsdp"
@@ -214,7 +214,7 @@ def grow_vocab(model: torch.nn.Module, tokenizer: Any, tokens: list[str]) -> lis
 
 def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfig) -> None:
     """The adapter (PEFT layout) or the full model (HF layout), plus the tokenizer files."""
-    if cfg.lora.method == "full":
+    if cfg.train.finetune == "full":
         from slipstream.checkpoint.hf import save_model
 
         save_model(model, out, tokenizer=tokenizer)

@@ -51,9 +51,8 @@ def run_config(tiny_run, out, **train):
     return {
         "model": {"path": str(model_dir)},
         "data": {"train": str(data), "eval_fraction": 0.125},
-        "lora": {"method": "full"},
         "train": {
-            "lr": 3e-3, "steps": 6, "tokens_per_batch": 128, "warmup_steps": 1,
+            "finetune": "full", "lr": 3e-3, "steps": 6, "tokens_per_batch": 128, "warmup_steps": 1,
             "log_every": 1, "device": "cpu", "activation_checkpointing": "none", **train,
         },
         "output_dir": str(out),
@@ -67,7 +66,8 @@ def losses(out) -> dict[int, float]:
 
 def lora_with_dropout(raw):
     # Dropout draws from the torch RNG every step: resume must restore the RNG exactly.
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.2}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8, "dropout": 0.2}
     return raw
 
 
