@@ -177,7 +177,8 @@ def test_eval_cli_on_a_lora_run_matches_hflm_with_peft(tiny_run, tmp_path, manag
     from slipstream.train import train
 
     raw = run_config(tiny_run, tmp_path / "run", steps=6, lr=2e-2)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     train(config_from_dict(raw))
     run = tmp_path / "run"
     assert (run / "adapter_config.json").is_file()

@@ -38,7 +38,8 @@ def lora_run(tiny_run, tmp_path_factory):
     (model_dir / "README.md").write_text("---\nlicense: mit\n---\n# tiny base\n")
     out = tmp_path_factory.mktemp("push") / "run"
     raw = run_config(tiny_run, out, save_every=3, report_to=["tensorboard"])
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     train(config_from_dict(raw))
     return out
 

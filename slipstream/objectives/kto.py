@@ -11,7 +11,7 @@ reference, lr_i = s_i - ref_i, beta, the weights w_d / w_u (`kto.desirable_weigh
   sigmoid(beta lr_i), and no KL sequences.
 TRL averages these over the micro-batch's examples; the trainer here normalises by examples
 (`weight`), so one micro-batch gives TRL's loss exactly and grad-accum and data parallelism
-give the mean over the window's examples. z is each micro-batch's own, as TRL computes it
+give the mean over the step's examples. z is each micro-batch's own, as TRL computes it
 per batch; TRL also averages z over ranks (a collective in every step), which this does
 not: 2 ranks give what one process gives with the same micro-batches.
 
@@ -93,7 +93,8 @@ class KTO:
             self.max_tokens = min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2)
             self.data_options = dict(max_tokens=self.max_tokens, overlong=d.overlong,
                                      strict=d.strict)  # fmt: skip
-            self.full, self.from_adapter = cfg.lora.method == "full", cfg.model.adapter is not None
+            self.full = cfg.train.finetune == "full"
+            self.from_adapter = cfg.model.adapter is not None
         self.beta = k.get("beta", 0.1)
         self.desirable_weight = k.get("desirable_weight", 1.0)
         self.undesirable_weight = k.get("undesirable_weight", 1.0)
