@@ -28,7 +28,8 @@ def _fixed_rss(monkeypatch):
 
 def _cfg(tiny_run, out, **train):
     raw = run_config(tiny_run, out, tokens_per_batch=4096, **train)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     return raw
 
 

@@ -98,7 +98,7 @@ class PlanInputs:
         dtype = choose_dtype(cfg.model.dtype, torch.device(device))[0]
         return cls(
             hf=hf, device=device, dtype=dtype, quantization=cfg.model.quantization,
-            method=lo.method, rank=lo.rank, alpha=lo.alpha, targets=lo.targets,
+            method=t.finetune, rank=lo.rank, alpha=lo.alpha, targets=lo.targets,
             use_dora=lo.use_dora, optimizer=t.optimizer, tokens=t.tokens_per_batch,
             mode=t.activation_checkpointing, tiles=t.mlp_tiles,
             prepack=t.prepack and not t.compile and t.parallel != "fsdp",
