@@ -118,7 +118,9 @@ def test_every_registered_objective_meets_the_contract(name):
 
     raw = {"model": {"path": "m"}, "data": {"train": "d.jsonl"}, "output_dir": "o",
            "train": {"objective": name},
-           "grpo": {"rewards": [{"function": "accuracy"}]}}  # fmt: skip
+           "grpo": {"rewards": [{"function": "accuracy"}]},
+           "rloo": {"rewards": [{"function": "accuracy"}]},
+           "distill": {"teacher": "t"}}  # fmt: skip
     objective = build_objective(config_from_dict(raw))
     assert objective.name == name
 

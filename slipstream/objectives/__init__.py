@@ -30,6 +30,13 @@ OBJECTIVES: dict[str, Entry] = {
     "orpo": Entry("slipstream.objectives.preference:ORPO", _PREFERENCE),
     "simpo": Entry("slipstream.objectives.preference:SimPO", _PREFERENCE),
     "grpo": Entry("slipstream.objectives.grpo:GRPO", _GRPO),
+    "rloo": Entry(
+        "slipstream.objectives.rloo:RLOO", "slipstream.objectives.rloo_config:RLOOSection"
+    ),
+    "distill": Entry(
+        "slipstream.objectives.distill:Distill",
+        "slipstream.objectives.distill_config:DistillSection",
+    ),
 }
 
 

@@ -71,19 +71,20 @@ class GRPO(OnlineObjective):
     name = "grpo"
     perplexity = False
     metric_names = ("clip_ratio/region_mean", "kl")
+    section = GRPOSection  # its options (RLOO: its own section, the same machinery)
 
     def __init__(self, cfg: Any = None, *, rewards: Any = None, **options: Any) -> None:
         """From a RunConfig (the `grpo` section), or without one from keyword options named
         as the section's keys (tests, the Python API); `rewards` a RewardFunctions-like
         object (default: built from `grpo.rewards`)."""
         if cfg is not None:
-            g, d, t = cfg.grpo, cfg.data, cfg.train
+            g, d, t = getattr(cfg, self.section.key), cfg.data, cfg.train
             self.budget = t.tokens_per_batch
             self.data_options = dict(overlong=d.overlong, strict=d.strict)
             self.full = cfg.train.finetune == "full"
             self.from_adapter = cfg.model.adapter is not None
         else:
-            g = GRPOSection.from_options("GRPO", options)
+            g = self.section.from_options(type(self).__name__, options)
             self.budget = 1 << 30
             self.data_options = {}
             self.full = self.from_adapter = False
@@ -147,18 +148,9 @@ class GRPO(OnlineObjective):
 
     def generate_batches(self, model, tokenizer, prompt_batches, device, *, seeds: list[int]):
         """Generate (each prompt batch with its seed), score, pack (module docstring)."""
-        from slipstream.generation.sampling import Sampling
-
         g, G = self.options, self.G
-        examples = [ex for b in prompt_batches for ex in b.examples]
-        sampling = Sampling(g.temperature, g.top_p)
         start = time.perf_counter()
-        rows = []
-        with dist.gathered_for_generation(model):  # FSDP2: no collective while decoding
-            for b, seed in zip(prompt_batches, seeds, strict=True):
-                generator = torch.Generator(device).manual_seed(seed)
-                rows += self._complete(model, tokenizer, b.examples, sampling, G, generator)
-        gen_s = time.perf_counter() - start
+        examples, rows, gen_s = self.sample(model, tokenizer, prompt_batches, device, seeds)
         completions = [r.token_ids for r in rows]
         rewards_SF = self.score(tokenizer, examples, completions)
         total_S = self.rewards.total(rewards_SF)  # NaN: every one None
@@ -181,6 +173,21 @@ class GRPO(OnlineObjective):
         rollout = self.rollout_stats(gathered)
         rollout["seconds"] = time.perf_counter() - start  # generation, rewards, log-probs
         return batches, rollout
+
+    def sample(self, model, tokenizer, prompt_batches, device, seeds: list[int]):
+        """(the prompt batches' examples, G completions of each, prompt-major, the seconds
+        it took): each prompt batch sampled with its seed."""
+        from slipstream.generation.sampling import Sampling
+
+        examples = [ex for b in prompt_batches for ex in b.examples]
+        sampling = Sampling(self.options.temperature, self.options.top_p)
+        start = time.perf_counter()
+        rows = []
+        with dist.gathered_for_generation(model):  # FSDP2: no collective while decoding
+            for b, seed in zip(prompt_batches, seeds, strict=True):
+                generator = torch.Generator(device).manual_seed(seed)
+                rows += self._complete(model, tokenizer, b.examples, sampling, self.G, generator)
+        return examples, rows, time.perf_counter() - start
 
     def _complete(self, model, tokenizer, examples, sampling, per_prompt=1, generator=None):
         """`per_prompt` completions of each example's prompt (no log-probs: the policy's come
@@ -244,18 +251,23 @@ class GRPO(OnlineObjective):
         bins = pack_sequences([len(s) for s in samples], self.budget, fallback)
         if dist.world_size() > 1:  # every rank the same number of micro-batches
             bins = split_to(bins, max(dist.gather_objects(len(bins))))
+        return [self.collate_samples(samples, b).to(device) for b in bins]
+
+    def collate_samples(self, samples: list[Sample], indices: list[int]) -> RolloutBatch:
+        """One micro-batch of the rollout's completions `indices` (host tensors)."""
         g = self.options
-        return [
-            collate_rollouts([samples[i] for i in b], g.loss_type, g.max_completion_tokens)
-            .to(device)
-            for b in bins
-        ]  # fmt: skip
+        return collate_rollouts([samples[i] for i in indices], g.loss_type,
+                                g.max_completion_tokens)  # fmt: skip
+
+    def needs_old_logps(self) -> bool:
+        """The policy's log-probs are kept from rollout time (mu > 1: the ratio's base)."""
+        return self.mu > 1
 
     @torch.no_grad()
     def add_logps(self, model, batches: list[RolloutBatch]) -> None:
-        """Old log-probs (mu > 1) and the reference's (beta > 0), on the device."""
+        """Old log-probs (`needs_old_logps`) and the reference's (beta > 0), on the device."""
         T = self.options.temperature
-        if self.mu > 1:
+        if self.needs_old_logps():
             was_training = model.training
             model.eval()
             for b in batches:

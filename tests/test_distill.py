@@ -1,0 +1,261 @@
+"""Distillation (objectives/distill.py) against TRL 1.16 on the same batch: GKD's
+`generalized_jsd_loss` over the two transformers models' padded logits (what
+`GKDTrainer.compute_loss` computes) and `DistillationTrainer`'s chunked loss over their hidden
+states; the loss and every student gradient (full fine-tuning of a tiny Llama, a wider and
+deeper teacher of the same vocabulary, float32), the entropy metric; packed == one sequence
+at a time; grad-accum equal to one batch; no host sync; on-policy batches (lmbda) seeded and
+made of the student's own completions; a different vocabulary is a one-line error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.models import make_hf_model
+
+from slipstream.checkpoint.hf import load_model
+from slipstream.data.labels import Example
+from slipstream.debug import count_syncs
+from slipstream.objectives.base import HookContext
+from slipstream.objectives.distill import Distill, check_same_vocabulary, last_span_start
+from slipstream.train.loop import accumulate_gradients
+
+trl_gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+trl_distill = pytest.importorskip("trl.trainer.distillation_trainer")
+
+V = 300
+STUDENT = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               initializer_range=0.2)  # fmt: skip
+TEACHER = dict(vocab_size=V, hidden_size=48, intermediate_size=96, num_attention_heads=6,
+               num_hidden_layers=3, initializer_range=0.2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    hf_s, hf_t = make_hf_model("llama", **STUDENT), make_hf_model("llama", seed=1, **TEACHER)
+    hf_s.save_pretrained(root / "student")
+    hf_t.save_pretrained(root / "teacher")
+    student = load_model(root / "student", dtype=torch.float32)
+    teacher = load_model(root / "teacher", dtype=torch.float32).requires_grad_(False).eval()
+    return hf_s, hf_t, student, teacher
+
+
+def examples(seed=0, n=3):
+    """Prompt + completion examples (targets: the completion), some multi-span."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(3, 8, (1,), generator=g))
+        c = int(torch.randint(2, 9, (1,), generator=g))
+        ids = torch.randint(0, V, (p + c,), generator=g).tolist()
+        trainable = [False] * p + [True] * c
+        if i == 1:
+            trainable[1] = True  # an earlier labelled span: still a target off-policy
+        out.append(Example(ids, trainable))
+    return out
+
+
+def padded(exs):
+    """TRL's layout: right-padded ids, labels = ids at target tokens, -100 elsewhere."""
+    L = max(len(e.input_ids) for e in exs)
+    ids = torch.zeros(len(exs), L, dtype=torch.long)
+    labels = torch.full((len(exs), L), -100)
+    mask = torch.zeros(len(exs), L, dtype=torch.long)
+    for i, e in enumerate(exs):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.where(torch.tensor(e.trainable), ids[i, :n], -100)
+    return ids, labels, mask
+
+
+def grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_loss_and_gradients_equal_trl(models, beta, temperature):
+    hf_s, hf_t, student, teacher = models
+    exs = examples()
+    ids, labels, mask = padded(exs)
+    hf_s.zero_grad(set_to_none=True)
+    student.zero_grad(set_to_none=True)
+    s_logits = hf_s(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        t_logits = hf_t(input_ids=ids, attention_mask=mask).logits
+    want = trl_gkd.GKDTrainer.generalized_jsd_loss(
+        s_logits[:, :-1], t_logits[:, :-1], labels=labels[:, 1:], beta=beta,
+        temperature=temperature,
+    )  # fmt: skip
+    want.backward()
+    objective = Distill(teacher=teacher, beta=beta, temperature=temperature, lmbda=0.0)
+    batch = objective.collate(exs)
+    loss, metrics = objective.micro_batch_loss(student, batch)
+    (loss / objective.weight(batch)).backward()
+    assert objective.weight(batch) == int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(loss / objective.weight(batch), want, atol=1e-6, rtol=1e-5)
+    expected, got = grads(hf_s), grads(student)
+    assert expected.keys() == got.keys() and len(got) > 10
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-4, msg=name)
+    # TRL's DistillationTrainer: the same loss and its entropy, from the hidden states
+    with torch.no_grad():
+        h_s = hf_s.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        h_t = hf_t.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        ref, entropy, n = trl_distill._chunked_divergence_loss(
+            h_s, h_t, hf_s.lm_head.weight, hf_t.lm_head.weight, labels[:, 1:] != -100, beta,
+            temperature=temperature,
+        )  # fmt: skip
+    torch.testing.assert_close(loss.detach() / n, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(metrics["entropy"], entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_equals_one_at_a_time_and_grad_accum(models):
+    _, _, student, teacher = models
+    objective = Distill(teacher=teacher, beta=0.3, temperature=0.9, lmbda=0.0)
+    exs = examples(1, n=4)
+    whole = [objective.collate(exs)]
+    parts = [objective.collate(exs[:1]), objective.collate(exs[1:])]
+    singles = [objective.collate([e]) for e in exs]
+    results = []
+    for window in (whole, parts, singles):
+        student.zero_grad(set_to_none=True)
+        loss, metrics = accumulate_gradients(student, window, objective)
+        results.append((loss, metrics["entropy"], grads(student)))
+    for loss, entropy, g in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(entropy, results[0][1], atol=1e-5, rtol=1e-6)
+        for name in g:
+            torch.testing.assert_close(g[name], results[0][2][name], atol=1e-6, rtol=1e-5)
+
+
+def test_no_host_sync_in_the_loss(models):
+    _, _, student, teacher = models
+    objective = Distill(teacher=teacher, lmbda=0.0)
+    batch = objective.collate(examples(2))
+    with count_syncs() as c:
+        loss, _ = objective.micro_batch_loss(student, batch)
+        loss.backward()
+    assert c.total == 0
+
+
+class Tok:
+    eos_token_id, pad_token_id = 0, None
+
+    def get_vocab(self):
+        return {}
+
+
+def test_on_policy_batches_are_the_students_seeded_completions(models):
+    _, _, student, teacher = models
+    objective = Distill(teacher=teacher, lmbda=1.0, max_completion_tokens=5)
+    exs = examples(3)
+    run = HookContext(student, Tok(), torch.device("cpu"), seed=0, rank=0, world_size=1)
+    window = [objective.collate(exs)]
+    a, stats = objective.rollout(run, 1, window)
+    b, _ = objective.rollout(run, 1, window)
+    c, _ = objective.rollout(run, 2, window)
+    assert stats["stats"]["on_policy"] == 1.0
+    assert torch.equal(a[0].input_ids, b[0].input_ids)  # seeded by (seed, step, place)
+    assert not torch.equal(a[0].input_ids, c[0].input_ids)
+    for ex, new in zip(exs, a[0].examples, strict=True):
+        p = last_span_start(ex.trainable)
+        assert new.input_ids[:p] == ex.input_ids[:p] and not any(new.trainable[:p])
+        assert 1 <= sum(new.trainable) <= 5 and all(new.trainable[p:])
+        assert objective.length(ex) == max(len(ex.input_ids), p + 5)
+    off = Distill(teacher=teacher, lmbda=0.0)
+    assert objective.online and not off.online  # lmbda 0: no rollout, the loop's own eval
+
+
+def test_a_different_vocabulary_is_one_line(models, tmp_path):
+    _, _, student, _ = models
+    other = make_hf_model("llama", **{**TEACHER, "vocab_size": V + 4})
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary of 304 tokens, the student 300") as e:
+        check_same_vocabulary(student, load_model(tmp_path), None, str(tmp_path))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="Distill options"):
+        Distill(teacher_path="x")
+
+
+def distill_config(tiny_run, teacher_dir, out, **distill):
+    from helpers.runs import run_config
+
+    raw = run_config(
+        tiny_run, out, objective="distill", steps=4, save_every=2, grad_accum=2, finetune="lora"
+    )
+    raw.pop("lora", None)
+    raw["lora"] = {"rank": 4, "alpha": 8}
+    raw["distill"] = {"teacher": str(teacher_dir), "lmbda": 0.5, "max_completion_tokens": 8,
+                      **distill}  # fmt: skip
+    return raw
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_run, tmp_path_factory):
+    import shutil
+
+    d = tmp_path_factory.mktemp("teacher")
+    model_dir, _ = tiny_run
+    make_hf_model("llama", seed=1, **TEACHER).save_pretrained(d)
+    for f in model_dir.glob("tokenizer*"):
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def test_a_run_resumes_exactly_and_logs_its_metrics(tiny_run, teacher_dir, tmp_path, monkeypatch):
+    import json
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    from slipstream.config import config_from_dict
+    from slipstream.train.loop import train
+
+    raw = distill_config(tiny_run, teacher_dir, tmp_path / "straight")
+    assert train(config_from_dict(raw))["status"] == "completed"
+    cut = distill_config(tiny_run, teacher_dir, tmp_path / "cut")
+    real, calls = Distill.micro_batch_loss, {"n": 0}
+
+    def signalled(self, model, batch):  # SIGTERM during step 3 (2 micro-batches a step)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] == 3 * 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, model, batch)
+
+    monkeypatch.setattr(Distill, "micro_batch_loss", signalled)
+    assert train(config_from_dict(cut))["status"] == "interrupted"
+    monkeypatch.setattr(Distill, "micro_batch_loss", real)
+    assert train(config_from_dict({**cut, "resume": True}))["status"] == "completed"
+
+    def logged(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+    want, got = logged(tmp_path / "straight"), logged(tmp_path / "cut")
+    assert {"entropy", "on_policy"} <= set(want[4])
+    text = (tmp_path / "straight" / "metrics.jsonl").read_text()
+    assert "eval_loss" in text and "eval_entropy" in text
+    assert 0 < sum(r["on_policy"] for r in want.values()) < 4  # some steps on-, some off-policy
+    for step in (3, 4):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-6)
+    a = load_file(tmp_path / "straight" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_config_errors(tiny_run, teacher_dir, tmp_path):
+    from slipstream.config import config_from_dict
+
+    raw = distill_config(tiny_run, teacher_dir, tmp_path)
+    raw["distill"].pop("teacher")
+    with pytest.raises(ValueError, match="needs distill.teacher"):
+        config_from_dict(raw)
+    with pytest.raises(ValueError, match="distill.beta"):
+        config_from_dict(distill_config(tiny_run, teacher_dir, tmp_path, beta=2))
+    with pytest.raises(ValueError, match="max_completion_tokens=500 does not fit"):
+        config_from_dict(distill_config(tiny_run, teacher_dir, tmp_path, max_completion_tokens=500))
