@@ -1,5 +1,6 @@
-"""The `grpo` config section (objectives/grpo.py; docs/grpo.md). No torch import: the run
-config is composed from it before torch loads."""
+"""The `grpo` config section (objectives/grpo.py; docs/grpo.md) and the rollout options it
+shares with `rloo` (objectives/rloo_config.py). No torch import: the run config is composed
+from it before torch loads."""
 
 from __future__ import annotations
 
@@ -10,11 +11,8 @@ from pydantic import Field
 from slipstream.config_section import ObjectiveSection, option
 
 
-class GRPOSection(ObjectiveSection):
-    """train.objective = grpo (slipstream/objectives/grpo.py; docs/grpo.md)."""
-
-    key: ClassVar[str] = "grpo"
-    meaning: ClassVar[str] = "the grpo objective's settings"
+class RolloutOptions(ObjectiveSection):
+    """What GRPO and RLOO share: generation, the clipped ratio, the reference, mu, rewards."""
 
     num_generations: int = option(8, "G: completions sampled per prompt (a group)", ge=2)
     max_prompt_tokens: int = option(256, "longest prompt; longer ones follow data.overlong", gt=0)
@@ -29,12 +27,6 @@ class GRPOSection(ObjectiveSection):
     reference: Literal["start", "base"] = option(
         "start", "KL reference with LoRA: the starting adapter frozen, or the base"
     )
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] = option(
-        "dapo", "dapo: token mean over the global batch; grpo: per-sequence means; dr_grpo"
-    )
-    scale_rewards: Literal["group", "batch", "none"] = option(
-        "group", "advantages divided by the group's, the batch's or no reward std"
-    )
     mask_truncated_completions: bool = option(False, "completions cut at the limit get no loss")
     iterations_per_batch: int = option(
         1, "mu: optimizer steps per rollout (importance ratio)", ge=1
@@ -46,14 +38,30 @@ class GRPOSection(ObjectiveSection):
 
     def check_run(self, cfg: Any) -> None:
         """Rewards are given, and a prompt's group of completions fits one micro-batch."""
-        g, t = self, cfg.train
+        g, t, k = self, cfg.train, self.key
         if not g.rewards:
-            raise ValueError("train.objective=grpo needs grpo.rewards, e.g. [{function: accuracy}]")
+            raise ValueError(
+                f"train.objective={k} needs {k}.rewards, e.g. [{{function: accuracy}}]"
+            )
         group = g.num_generations * (g.max_prompt_tokens + g.max_completion_tokens)
         if group > t.tokens_per_batch:
             raise ValueError(
-                f"grpo: a prompt's group of {g.num_generations} x ({g.max_prompt_tokens} + "
+                f"{k}: a prompt's group of {g.num_generations} x ({g.max_prompt_tokens} + "
                 f"{g.max_completion_tokens}) = {group} tokens exceeds train.tokens_per_batch="
-                f"{t.tokens_per_batch}; raise it or lower grpo.max_prompt_tokens, "
+                f"{t.tokens_per_batch}; raise it or lower {k}.max_prompt_tokens, "
                 "max_completion_tokens or num_generations"
             )
+
+
+class GRPOSection(RolloutOptions):
+    """train.objective = grpo (slipstream/objectives/grpo.py; docs/grpo.md)."""
+
+    key: ClassVar[str] = "grpo"
+    meaning: ClassVar[str] = "the grpo objective's settings"
+
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = option(
+        "dapo", "dapo: token mean over the global batch; grpo: per-sequence means; dr_grpo"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = option(
+        "group", "advantages divided by the group's, the batch's or no reward std"
+    )
