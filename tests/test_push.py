@@ -87,6 +87,9 @@ def test_model_card_metadata_and_figures(lora_run, tmp_path):
         f.write(json.dumps({"step": 6, "eval/tiny_mc/acc,none": 0.5,
                             "eval/tiny_mc/acc_stderr,none": 0.125,
                             "eval/tiny_ppl/word_perplexity,none": 17.5}) + "\n")  # fmt: skip
+        # evaluation.tasks.task_metrics' own keys: ",none" dropped, another filter kept
+        f.write(json.dumps({"step": 6, "eval/tiny_gen/exact_match,strict-match": 0.75,
+                            "eval/tiny_mc2/acc": 0.375}) + "\n")  # fmt: skip
     push_run(run, "me/tiny-chat", stage=tmp_path / "stage")
     readme = tmp_path / "stage" / "README.md"
     meta = metadata_load(readme)
@@ -101,6 +104,8 @@ def test_model_card_metadata_and_figures(lora_run, tmp_path):
     assert f"| loss | {before:.4g} | {after:.4g} |" in text
     assert "| tiny_mc | acc | 0.5 ± 0.125 | 6 |" in text  # the last eval, with its stderr
     assert "| tiny_ppl | word_perplexity | 17.5 | 6 |" in text
+    assert "| tiny_gen | exact_match,strict-match | 0.75 | 6 |" in text
+    assert "| tiny_mc2 | acc | 0.375 | 6 |" in text
     assert f"| train examples | {summary['train_examples']} examples" in text
     assert "![training and held-out loss](loss.png)" in text
     assert 'AutoPeftModelForCausalLM.from_pretrained("me/tiny-chat")' in text
