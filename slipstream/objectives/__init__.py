@@ -37,6 +37,10 @@ OBJECTIVES: dict[str, Entry] = {
         "slipstream.objectives.distill:Distill",
         "slipstream.objectives.distill_config:DistillSection",
     ),
+    "kto": Entry("slipstream.objectives.kto:KTO", "slipstream.objectives.kto_config:KTOSection"),
+    "reward": Entry(
+        "slipstream.objectives.reward:Reward", "slipstream.objectives.reward_config:RewardSection"
+    ),
 }
 
 

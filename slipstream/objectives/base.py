@@ -70,6 +70,17 @@ class Objective(Protocol):
         """(loss summed over the batch's weight, {metric: sum}); device tensors, no sync."""
         ...
 
+    def report(self, sums: dict[str, float], weight: float) -> dict[str, float]:
+        """The logged metrics of an interval (or an eval) from its metric sums and weight,
+        host floats: by default each sum per unit of weight. An objective whose metrics are
+        means over part of the batch (KTO's per-class rewards) divides them itself."""
+        return {name: value / max(weight, 1) for name, value in sums.items()}
+
+    def save(self, model: torch.nn.Module, tokenizer: Any, out: Any) -> bool:
+        """Write the run's result into `out` itself (a reward model with its head) and return
+        True; by default False: the trainer saves the adapter or the model."""
+        return False
+
 
 class OnlineObjective(Objective, Protocol):
     """An objective that generates what it trains on (GRPO)."""
@@ -88,7 +99,7 @@ class OnlineObjective(Objective, Protocol):
         ...
 
 
-_DEFAULTS = ("online", "metric_names", "iterations", "attach")  # given by the protocol
+_DEFAULTS = ("online", "metric_names", "iterations", "attach", "report", "save")  # defaults
 
 
 def contract(protocol: type) -> list[str]:

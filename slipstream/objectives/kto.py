@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from slipstream.objectives.base import Objective
 from slipstream.objectives.kto_data import KTOExample, collate_kto, tokenize_kto
 from slipstream.objectives.logps import segment_sums, token_logps
 from slipstream.objectives.reference import build_reference
@@ -69,7 +70,7 @@ def kl_estimate(kl_logps_N: torch.Tensor, ref_kl_logps_N: torch.Tensor) -> torch
     return (kl_logps_N - ref_kl_logps_N).mean().detach().clamp(min=0)
 
 
-class KTO:
+class KTO(Objective):
     """The objective the trainer runs for train.objective = kto."""
 
     name = "kto"

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.score_head import add_score_head, sequence_scores
+from slipstream.models.score_head import add_score_head, pad_id_of, sequence_scores
+from slipstream.objectives.base import Objective
 from slipstream.objectives.reward_data import (
     RewardPair,
     collate_reward_pairs,
@@ -51,7 +52,7 @@ def bradley_terry_losses(
     return loss
 
 
-class Reward:
+class Reward(Objective):
     """The objective the trainer runs for train.objective = reward."""
 
     name = "reward"
@@ -61,11 +62,13 @@ class Reward:
     def __init__(self, cfg: Any = None, **options: Any) -> None:
         """From a RunConfig (the `reward` section, data options) or, without one, keyword
         options (center_rewards_coefficient)."""
+        self.full, self.base = False, None
         if cfg is None:
             self.center = options.get("center_rewards_coefficient")
             self.data_options: dict[str, Any] = {"max_tokens": 1 << 30}
             return
         d, t = cfg.data, cfg.train
+        self.full, self.base = cfg.lora.method == "full", cfg.model.path
         self.center = cfg.reward.center_rewards_coefficient
         self.data_options = dict(
             max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
@@ -76,6 +79,22 @@ class Reward:
         """The score head, before the optimizer and any data-parallel wrapping."""
         if getattr(ctx.model, "score", None) is None:
             add_score_head(ctx.model)
+
+    def save(self, model: torch.nn.Module, tokenizer: Any, out: Any) -> bool:
+        """The reward model (checkpoint/reward_model.py) and the tokenizer into `out`: a
+        *ForSequenceClassification checkpoint (full), or a PEFT adapter with the head."""
+        from slipstream.checkpoint.atomic import atomic_write_files
+        from slipstream.checkpoint.reward_model import save_reward_adapter, save_reward_model
+
+        pad = pad_id_of(tokenizer)
+        if self.full:
+            save_reward_model(model, out, pad)
+        else:  # the base as load_model noted it (a GGUF's hub id); else the config's
+            base = None if getattr(model, "name_or_path", None) else self.base
+            save_reward_adapter(model, out, pad, base)
+        if hasattr(tokenizer, "save_pretrained"):
+            atomic_write_files(out, tokenizer.save_pretrained)
+        return True
 
     # -- data ---------------------------------------------------------------------------
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:

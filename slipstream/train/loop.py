@@ -195,7 +195,8 @@ def evaluate(run: Run) -> dict[str, float]:
     names = sorted(metrics)
     sums = dist.sum_over_ranks([total, *(metrics[n] for n in names), count], device).tolist()
     count = max(sums[-1], 1)
-    return {"loss": sums[0] / count, **{n: v / count for n, v in zip(names, sums[1:-1])}}
+    return {"loss": sums[0] / count,
+            **objective.report(dict(zip(names, sums[1:-1], strict=True)), count)}  # fmt: skip
 
 
 def eval_share(num_batches: int, rank: int, world: int) -> list[tuple[int, bool]]:

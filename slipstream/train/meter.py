@@ -31,6 +31,7 @@ class StepMeter:
         self.log_every, self.total_steps = t.log_every, run.total_steps
         self.perplexity = run.objective.perplexity
         self.metric_names = set(run.objective.metric_names)
+        self.report = run.objective.report  # the logged values from the interval's sums
         self.guard = run.guard
         config = run.cfg.model_dump(mode="json")
         self.log = MetricsLog(
@@ -119,7 +120,7 @@ class StepMeter:
                 "peak_mem_gb": peak_memory_gb(self.device),
                 "mfu": mfu,
                 **({"skipped_steps": skipped} if self.guard.limit else {}),
-                **{n: m / weight for n, m in zip(names, means)},
+                **self.report(dict(zip(names, means, strict=True)), weight),
                 **rollout,
             }
         )

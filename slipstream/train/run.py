@@ -223,7 +223,8 @@ def finish_run(
         result = dist.unsharded(
             run.model, lambda: build_model(cfg, torch.device("cpu"), run.tokenizer)
         )
-        if dist.is_main():
+        # An objective may write its own result (a reward model with its head).
+        if dist.is_main() and not run.objective.save(result, run.tokenizer, out):
             save_result(result, run.tokenizer, out, cfg)
     plot = plot_losses(meter.log.path, out / "loss.png") if dist.is_main() else None
     if dist.is_main():
