@@ -33,7 +33,8 @@ class RolloutOptions(ObjectiveSection):
     )
     rewards: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="reward functions: [{function: accuracy | file.py:name, weight: 1.0}, ...]",
+        description="reward functions: [{function: accuracy | file.py:name | model:DIR, "
+        "weight: 1.0}, ...]",
     )
 
     def check_run(self, cfg: Any) -> None:
