@@ -47,7 +47,8 @@ def tiny(tmp_path_factory):
     unpaired.write_text("".join(json.dumps(r) + "\n" for r in unpaired_rows(36)))
     sft = root / "sft"  # a starting adapter, as an SFT run writes it
     raw = run_config((model_dir, sft_data), sft, steps=3)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     train(config_from_dict(raw))
     return {"model": model_dir, "pairs": pairs, "unpaired": unpaired, "sft": sft,
             "sft_data": sft_data}  # fmt: skip
@@ -56,10 +57,11 @@ def tiny(tmp_path_factory):
 def config(tiny, objective, out, data="pairs", **train_options):
     options = {"objective": objective, "steps": 4, "lr": 1e-2, **train_options}
     raw = run_config((tiny["model"], tiny[data]), out, **options)
-    raw["lora"] = {"method": "lora", "rank": 4, "alpha": 8}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
     if objective == "kto":
         raw["model"]["adapter"] = str(tiny["sft"])
-        raw["lora"] = {"method": "lora"}
+        raw["lora"] = {}
     raw["data"]["eval_fraction"] = 0.25
     raw["train"]["tokens_per_batch"] = 256
     return raw
@@ -110,7 +112,7 @@ def test_full_reward_run_saves_a_sequence_classifier(tiny, tmp_path):
 
     out = tmp_path / "rm_full"
     raw = config(tiny, "reward", out, steps=2, lr=1e-3)
-    raw["lora"] = {"method": "full"}
+    raw["train"]["finetune"] = "full"
     assert train(config_from_dict(raw))["status"] == "completed"
     hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["architectures"] == ["LlamaForSequenceClassification"]

@@ -68,7 +68,7 @@ class Reward(Objective):
             self.data_options: dict[str, Any] = {"max_tokens": 1 << 30}
             return
         d, t = cfg.data, cfg.train
-        self.full, self.base = cfg.lora.method == "full", cfg.model.path
+        self.full, self.base = cfg.train.finetune == "full", cfg.model.path
         self.center = cfg.reward.center_rewards_coefficient
         self.data_options = dict(
             max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
