@@ -66,7 +66,7 @@ class Toy(SFT):
 def test_the_contract_lists_every_member():
     assert contract(Objective) == [
         "name", "perplexity", "online", "metric_names", "iterations", "attach", "tokenize",
-        "length", "collate", "weight", "micro_batch_loss",
+        "length", "collate", "weight", "micro_batch_loss", "report", "save",
     ]  # fmt: skip
     assert contract(OnlineObjective)[-2:] == ["rollout", "evaluate"]
 
