@@ -31,7 +31,7 @@ BACKEND = "inductor"  # tests swap in a cheaper backend; the trainer uses torch'
 def apply_compile(model: nn.Module, backend: str | None = None, dynamic: bool = True) -> int:
     """Compile every decoder layer's `self_attn` and dense `mlp` in place; how many."""
     count = 0
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         blocks = [layer.self_attn] + ([] if isinstance(layer.mlp, MoEBlock) else [layer.mlp])
         for block in blocks:
             block.compile(backend=backend or BACKEND, dynamic=dynamic)

@@ -215,7 +215,7 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device) -> nn.Module |
     policy = MixedPrecisionPolicy(
         param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     # The root all-gathers its own weights (embeddings, final norm, head) around `forward`;

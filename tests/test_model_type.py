@@ -55,15 +55,20 @@ def test_gguf_architecture_from_the_header_equals_ggufs_reader(tmp_path, keys_fi
 
 
 def test_unsupported_types_are_one_line_listing_the_supported(tmp_path):
-    folder = tmp_path / "gpt2"
+    import transformers
+
+    folder = tmp_path / "t5"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5"}))  # no causal LM
     with pytest.raises(ValueError) as e:
         check_model_source(str(folder))
     assert str(e.value) == (
-        f"model.path: {folder / 'config.json'}: model_type 'gpt2' is not supported; "
-        f"supported: {', '.join(sorted(FAMILIES))}."
+        f"model.path: {folder / 'config.json'}: model_type 't5' is not supported: it has no "
+        f"native family ({', '.join(sorted(FAMILIES))}) and transformers "
+        f"{transformers.__version__} builds no causal LM of that type (AutoModelForCausalLM)."
     )
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    check_model_source(str(folder))  # no native family: the generic one builds it
     with pytest.raises(ValueError, match="GGUF architecture 'mamba' cannot be imported"):
         check_model_source(str(write_gguf(tmp_path / "m.gguf", "mamba")))
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))

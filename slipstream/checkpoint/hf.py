@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
 from slipstream.checkpoint.hf_config import current_config, generation_config
 from slipstream.hub import hub_error, hub_files_only
-from slipstream.models import family_for, weight_map
+from slipstream.models import choose_family, family_spec, weight_map
 from slipstream.models.common import CausalLM
 from slipstream.models.weights import WeightMap, check_shape, from_hf_name, to_hf_name
 from slipstream.sources import resolve_model
@@ -46,13 +46,18 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     quantize: str | None = None,
+    implementation: str = "auto",
+    trust_remote_code: bool = False,
 ) -> CausalLM:
     """Load a local HF folder, a `.gguf` file, or a hub repo id into a slipstream model.
 
     quantize="nf4": decoder linear weights become bitsandbytes NF4, quantised one tensor at a
     time while loading (slipstream.peft.qlora). Pre-quantised bitsandbytes 4-bit checkpoints
-    load in their 4-bit form whatever `quantize` says.
+    load in their 4-bit form whatever `quantize` says. implementation: "auto" (the native
+    family where there is one, else transformers' modeling code: models/generic.py),
+    "native" or "transformers"; `model.load_path` says which was taken and why.
     """
+    how = dict(implementation=implementation, trust_remote_code=trust_remote_code)
     device = torch.device(device) if device is not None else torch.device("cpu")
     # float32 on CPU (no native bf16 on most CPUs); bf16 on accelerators.
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -63,11 +68,12 @@ def load_model(
 
         hf, tensors = read_gguf(path)
         hub_id = hf.pop("_name_or_path", None)  # the checkpoint it was converted from
-        model = _load(hf, tensors, dtype, device, str(path), quantize)
+        model = _load(hf, tensors, dtype, device, str(path), quantize, None, **how)
     else:
         folder = _resolve_folder(path)
         hf = read_config(folder)
-        model = _load(hf, _safetensors_tensors(folder), dtype, device, str(folder), quantize)
+        tensors = _safetensors_tensors(folder)
+        model = _load(hf, tensors, dtype, device, str(folder), quantize, folder, **how)
         hub_id = None if path.exists() else source
     # What peft and transformers load as the base (a hub id when one is known), and what
     # slipstream loads it from (a built-in name stays a name: it resolves on any machine).
@@ -175,11 +181,19 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _load(
-    hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: str, quantize=None
-) -> CausalLM:
+    hf: dict, tensors, dtype: torch.dtype, device: torch.device, source: str, quantize=None,
+    folder: Path | None = None, implementation: str = "auto", trust_remote_code: bool = False,
+) -> CausalLM:  # fmt: skip
     from slipstream.peft import qlora
 
-    family = family_for(hf.get("model_type"), f"{source}/config.json")
+    where = f"{source}/config.json"
+    name, why = choose_family(hf.get("model_type"), where, implementation, hf, trust_remote_code)
+    family = family_spec(hf.get("model_type"), where, implementation, hf, trust_remote_code)
+    if family.load is not None:
+        model = family.load(hf, folder, dtype, device, quantize, source, trust_remote_code)
+        model.load_path = f"{hf.get('model_type')}: {why}"
+        model.checkpoint_path = Path(source)
+        return model
     cfg = family.config_from_hf(hf)
     weights = family.weights(cfg)
     nf4 = None
@@ -190,13 +204,14 @@ def _load(
     if nf4 is not None:  # before to_empty: target weights are never allocated in full precision
         nf4.replace_targets(model)
     model.to_empty(device=device)
-    model.model.reset_rope()
+    model.reset_buffers()
     loaded = _load_tensors(model, weights, nf4, tensors, source)
     missing = [n for n in weights.expected_names(model) if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
     model.checkpoint_path = Path(source)  # where save_model finds the tensors it passes through
+    model.load_path = f"{hf.get('model_type')}: {why}"
     return model
 
 
@@ -288,6 +303,9 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any 
     out.mkdir(parents=True, exist_ok=True)
     from slipstream.peft.qlora import has_4bit_weights
 
+    if model.config.implementation == "transformers":
+        return _save_generic(model, out)
+
     if has_4bit_weights(model):
         raise ValueError(
             "save_model: the model has 4-bit (NF4) weights; use export_merged() "
@@ -330,6 +348,20 @@ def write_tensors(state: dict[str, torch.Tensor], out: Path) -> None:
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": file_of}
     atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+
+
+def _save_generic(model, out: Path) -> Path:
+    """transformers' save_pretrained for a model of its modeling code (models/generic.py)."""
+    from slipstream.models import generic
+
+    lora = [n for n, _ in model.named_parameters() if "lora_" in n]
+    if lora:
+        raise ValueError(
+            f"save_model: the model still has LoRA layers ({lora[0]}); "
+            "use export_merged() (or merge_lora) to fold them in first."
+        )
+    generic.save(model, out)
+    return out
 
 
 def _shard(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

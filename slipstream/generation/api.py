@@ -80,7 +80,7 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
                 "(max_position_embeddings): shorten it to leave room for the reply"
             )
     stop_strings, stop_ids = _stops(stop, tokenizer, model, stop_token_ids)
-    device = model.model.embed_tokens.weight.device
+    device = model.input_embeddings().weight.device
     generator = None
     if seed is not None:
         generator = torch.Generator(device).manual_seed(seed)

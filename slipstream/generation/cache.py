@@ -48,7 +48,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model, rows: int, max_len: int) -> KVCache:
         cfg = model.config
-        emb = model.model.embed_tokens.weight  # activations (hence q, k, v) take its dtype
+        emb = model.input_embeddings().weight  # activations (hence q, k, v) take its dtype
         return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads,
                    cfg.head_dim, emb.dtype, emb.device)  # fmt: skip
 

@@ -96,7 +96,7 @@ def run(
 
 def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check,
          want_lp):  # fmt: skip
-    device = model.model.embed_tokens.weight.device
+    device = model.input_embeddings().weight.device
     steps = max(r.limit for r in rows)
     cache = KVCache.for_model(model, len(prompts), max(map(len, prompts)) + steps)
     logits_BV = _prefill(model, cache, prompts, lm_head, device)
@@ -107,7 +107,7 @@ def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, genera
     live = list(rows)
     pos_B = torch.tensor([r.prompt_len for r in live]).to(device, non_blocking=True)
     buf_BK2 = torch.zeros(len(live), K, 2, dtype=torch.int32, device=device)
-    switch = model.model.rope_switch_length  # None for every family but Phi-3 longrope
+    switch = model.rope_switch_length  # None for every family but Phi-3 longrope
     gen_BS = torch.zeros(len(live), steps, dtype=torch.long, device=device) if switch else None
     for step in range(steps):
         token_B, logprob_B = sample(logits_BV, sampling, generator, logprobs=want_lp)

@@ -1,9 +1,12 @@
 """Activation checkpointing per decoder layer, with the checkpoints offloaded to host memory.
 
-`apply_checkpointing(model, mode)` wraps every layer of `model.model.layers` (any module called
-as `layer(x_TD, seq, cos_sin)` that returns x_TD or a tuple (x_TD, *extra tensors), such as a
-MoE layer's router statistics) by swapping its class for a subclass whose `forward`
-checkpoints and returns the same; parameter and `state_dict()` names do not change.
+`apply_checkpointing(model, mode)` wraps every layer of `model.decoder_layers()` (any module
+called as `layer(x, *args, **kwargs)`, hidden states first, that returns x or a tuple (x,
+*extra tensors), such as a MoE layer's router statistics: a native layer's `(x_TD, seq,
+cos_sin)`, a transformers `GradientCheckpointingLayer`'s `(hidden_states, position_embeddings=
+..., **kwargs)`) by swapping its class for a subclass whose `forward` checkpoints and returns
+the same; parameter and `state_dict()` names do not change. The other arguments pass through
+untracked; a call where one of them requires grad is recomputed by torch's checkpoint instead.
 
 - "recompute": `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` per layer.
 - "offload": `_OffloadedLayer`, an autograd Function. Forward runs the layer without a graph
@@ -71,16 +74,16 @@ class _Plan:
 class _OffloadedLayer(torch.autograd.Function):
     """Runs a layer without a graph; backward reloads its input, recomputes, backprops.
 
-    Inputs: (layer, seq, cos_sin, x_TD, *params that require grad). `seq` and `cos_sin`
-    pass through untracked (they never need grad); params are inputs so their gradients
-    flow back through the engine like any other leaf's. Outputs: the layer's (out_TD, or
-    (out_TD, *extras)).
+    Inputs: (layer, args, kwargs, x_TD, *params that require grad). The layer's other
+    arguments `args`/`kwargs` (native: seq, cos_sin) pass through untracked (none needs
+    grad); params are inputs so their gradients flow back through the engine like any other
+    leaf's. Outputs: the layer's (out_TD, or (out_TD, *extras)).
     """
 
     @staticmethod
-    def forward(ctx, layer, seq, cos_sin, x_TD, *params):
+    def forward(ctx, layer, args, kwargs, x_TD, *params):
         plan: _Plan = layer._slipstream_plan
-        ctx.layer, ctx.seq, ctx.cos_sin = layer, seq, cos_sin
+        ctx.layer, ctx.args, ctx.kwargs = layer, args, kwargs
         ctx.rng = _RngState(x_TD.device) if plan.preserve_rng_state else None
         dt = x_TD.device.type  # autocast as in forward, for the recompute
         ctx.autocast = (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
@@ -90,7 +93,7 @@ class _OffloadedLayer(torch.autograd.Function):
         save = plan.pool.keep if plan.last else plan.pool.save
         ctx.saved = save(plan.index, x_TD)
         ctx.save_for_backward(*(params if ctx.saved is not None else (x_TD, *params)))
-        return layer._slipstream_base.forward(layer, x_TD, seq, cos_sin)
+        return layer._slipstream_base.forward(layer, x_TD, *args, **kwargs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
@@ -108,7 +111,7 @@ class _OffloadedLayer(torch.autograd.Function):
         autocast = torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on)
         pool._note("recompute", plan.index)
         with torch.enable_grad(), rng, autocast:
-            outputs = layer._slipstream_base.forward(layer, x_TD, ctx.seq, ctx.cos_sin)
+            outputs = layer._slipstream_base.forward(layer, x_TD, *ctx.args, **ctx.kwargs)
         outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         # An extra output may need no grad in the recompute though forward marked it as
         # needing it (MoE: layer 0's router under LoRA that leaves routers frozen).
@@ -124,23 +127,29 @@ class _OffloadedLayer(torch.autograd.Function):
         return (None, None, None, grad_x, *grads[len(grads) - len(params) :])
 
 
-def _checkpointed_forward(self, x_TD: torch.Tensor, seq, cos_sin):
+def _checkpointed_forward(self, x_TD: torch.Tensor, *args, **kwargs):
     """`forward` of a wrapped layer (see `_checkpointed_class`)."""
     plan: _Plan = self._slipstream_plan
     base = self._slipstream_base.forward
     if not torch.is_grad_enabled():  # eval / generation: nothing to save
-        return base(self, x_TD, seq, cos_sin)
-    if plan.mode == "recompute":
+        return base(self, x_TD, *args, **kwargs)
+    if plan.mode == "recompute" or _tracked(args, kwargs):
         return checkpoint(
-            base, self, x_TD, seq, cos_sin, use_reentrant=False,
-            preserve_rng_state=plan.preserve_rng_state,
+            base, self, x_TD, *args, use_reentrant=False,
+            preserve_rng_state=plan.preserve_rng_state, **kwargs,
         )  # fmt: skip
     params = [p for p in self.parameters() if p.requires_grad]
     if not (x_TD.requires_grad or params):
-        return base(self, x_TD, seq, cos_sin)
-    if isinstance(cos_sin, tuple | list) and any(getattr(t, "requires_grad", 0) for t in cos_sin):
-        raise ValueError("cos_sin requires grad; activation offload passes it through untracked")
-    return _OffloadedLayer.apply(self, seq, cos_sin, x_TD, *params)
+        return base(self, x_TD, *args, **kwargs)
+    return _OffloadedLayer.apply(self, args, kwargs, x_TD, *params)
+
+
+def _tracked(args: tuple, kwargs: dict) -> bool:
+    """Whether any tensor among a layer's other arguments (one level into tuples) requires
+    grad: offload passes them through untracked, so such a call is recomputed instead."""
+    values = [*args, *kwargs.values()]
+    values += [t for v in values if isinstance(v, tuple | list) for t in v]
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
 _CLASSES: dict[type, type] = {}
@@ -156,13 +165,13 @@ def _checkpointed_class(cls: type) -> type:
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    layers = getattr(model, "decoder_layers", None)
+    if layers is None:
         raise ValueError(
-            f"{type(model).__name__} has no model.layers ModuleList; apply_checkpointing "
-            "needs a slipstream CausalLM (slipstream.load_model)."
+            f"{type(model).__name__} has no decoder_layers(); apply_checkpointing needs a "
+            "slipstream model (slipstream.load_model)."
         )
-    return layers
+    return layers()
 
 
 def _unwrap(layer: nn.Module) -> None:

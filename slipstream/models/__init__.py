@@ -1,8 +1,10 @@
 """Model families, one file each, looked up by config.json's `model_type`.
 
-A family module provides `config_from_hf(hf) -> ModelConfig`, `build(cfg) -> CausalLM` and
-`weights(cfg) -> WeightMap`: how its parameters are named and laid out in a checkpoint
-(models/weights.py; the identity map where the names are Hugging Face's).
+A family module exports `SPEC` (models/spec.py): `config_from_hf(hf) -> ModelConfig`,
+`build(cfg) -> model` and `weights(cfg) -> WeightMap`: how its parameters are named and laid
+out in a checkpoint (models/weights.py; the identity map where the names are Hugging Face's).
+A `model_type` without a native family takes the generic one (models/generic.py:
+transformers' own modeling code); `model.implementation` forces either.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # not imported here: `check_model_type` answers before torch loads
+    from slipstream.models.spec import FamilySpec
     from slipstream.models.weights import WeightMap
 
 # model_type -> module name under slipstream.models
@@ -28,23 +31,78 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def check_model_type(model_type: str | None, source: str = "config.json") -> None:
-    """A one-line error, listing the supported types, for a model_type slipstream cannot build.
-    The one place that decides it: `family_for` and the early checks before data or weights
-    load (`checkpoint.model_type.check_model_source`) all call it."""
-    if model_type not in FAMILIES:
-        supported = ", ".join(sorted(FAMILIES))
+IMPLEMENTATIONS = ("auto", "native", "transformers")  # `model.implementation`
+GENERIC = "generic"  # the family module for transformers' own modeling code
+
+
+def choose_family(
+    model_type: str | None,
+    source: str = "config.json",
+    implementation: str = "auto",
+    hf: dict | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[str, str]:
+    """(family module name, why) for `model_type`: the native family where there is one
+    (unless `implementation` is "transformers"), else the generic family when transformers
+    builds it as a causal LM, or when config.json (`hf`) names its own modeling code
+    (`auto_map`) and `trust_remote_code` allows it; a one-line error otherwise. The one place
+    that decides it: `family_spec` and the early checks
+    (`checkpoint.model_type.check_model_source`) call it. Torch-free for native types; an
+    unknown type imports transformers to ask it."""
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {supported}."
+            f"model.implementation={implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}."
         )
+    native = FAMILIES.get(model_type)
+    if implementation == "native":
+        if native is None:
+            raise ValueError(
+                f"{source}: model.implementation=native but model_type {model_type!r} has no "
+                f"native family (native: {', '.join(sorted(FAMILIES))}); use auto or "
+                "transformers."
+            )
+        return native, "native family, as model.implementation=native asks"
+    if native is not None and implementation == "auto":
+        return native, f"native family slipstream/models/{native}.py"
+    from slipstream.models.generic_types import transformers_builds
+
+    builds, version = transformers_builds(model_type)
+    remote = "AutoModelForCausalLM" in ((hf or {}).get("auto_map") or {})
+    if not builds and remote:
+        if not trust_remote_code:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} needs the checkpoint's own modeling code "
+                "(auto_map); it runs arbitrary Python: set model.trust_remote_code: true to "
+                "allow it."
+            )
+        return GENERIC, f"the checkpoint's own modeling code (trust_remote_code) for {model_type!r}"
+    if not builds:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported: it has no native family "
+            f"({', '.join(sorted(FAMILIES))}) and transformers {version} builds no causal LM "
+            "of that type (AutoModelForCausalLM)."
+        )
+    if native is not None:
+        return GENERIC, "transformers' modeling code, as model.implementation=transformers asks"
+    return GENERIC, f"transformers' modeling code: no native family for {model_type!r}"
 
 
-def family_for(model_type: str | None, source: str = "config.json") -> ModuleType:
-    """The family module for `model_type`, or a one-line error listing the supported ones."""
-    check_model_type(model_type, source)
-    return importlib.import_module(f"slipstream.models.{FAMILIES[model_type]}")
+def check_model_type(model_type: str | None, source: str = "config.json", *args) -> str:
+    """A one-line error for a model_type slipstream cannot build; else why the path it takes
+    (`args`: choose_family's implementation, hf, trust_remote_code)."""
+    return choose_family(model_type, source, *args)[1]
+
+
+def family_spec(model_type: str | None, source: str = "config.json", *args) -> FamilySpec:
+    """The family spec (models/spec.py) that builds `model_type`, native or generic."""
+    name, _ = choose_family(model_type, source, *args)
+    return importlib.import_module(f"slipstream.models.{name}").SPEC
+
+
+family_for = family_spec  # the older name: a spec has the module's config_from_hf/build/weights
 
 
 def weight_map(cfg) -> WeightMap:
     """A fresh weight map for a model of `cfg` (one per load or save: it holds load state)."""
-    return family_for(cfg.model_type).weights(cfg)
+    implementation = "transformers" if cfg.implementation == "transformers" else "auto"
+    return family_spec(cfg.model_type, implementation=implementation).weights(cfg)

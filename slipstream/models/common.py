@@ -47,6 +47,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     hf: dict[str, Any] = field(default_factory=dict, repr=False)
+    implementation: str = "native"  # or "transformers": the generic family (models/generic.py)
 
 
 def base_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -266,6 +267,20 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.router_aux_loss_coef = router_aux_loss_coef
 
+    # The model contract (models/contract.py): what code outside models/ may use.
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def reset_buffers(self) -> None:
+        self.model.reset_rope()
+
+    @property
+    def rope_switch_length(self) -> int | None:
+        return self.model.rope_switch_length
+
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
@@ -304,28 +319,13 @@ class CausalLM(nn.Module):
         `temperature` (reduction "none" only): log-probs of logits / temperature (GRPO scores
         completions under the distribution they were sampled from, as TRL does).
         """
-        if labels_T.shape != input_ids_T.shape:
-            raise ValueError(
-                f"labels has shape {tuple(labels_T.shape)} but input_ids has "
-                f"{tuple(input_ids_T.shape)}; they must match (flat packed layout)."
-            )
-        if reduction == "none" and label_positions is None:
-            raise ValueError("reduction='none' needs label_positions (the rows to score)")
-        _check_batch(input_ids_T, seq)
+        check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
         h_TD, router_stats = self.model(input_ids_T, seq)
-        if label_positions is not None:
-            _check_positions(label_positions, labels_T)
-            # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
-            # Qwen3-0.6B); with 38% of rows labelled (chitchat) 62% of that fed losses of 0.
-            # index_select by host-built indices has a known output shape, no host sync;
-            # `h_TD[labels_T != -100]` would sync to size its output.
-            h_TD = h_TD.index_select(0, label_positions)
-            labels_T = labels_T.index_select(0, label_positions)
+        loss = head_loss(
+            h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature
+        )
         if reduction == "none":
-            if temperature != 1.0:  # the head has no bias: (h / T) W^T = logits / T
-                h_TD = h_TD / temperature
-            return -linear_token_logps(h_TD, self.lm_head_weight(), labels_T)
-        loss = linear_cross_entropy(h_TD, self.lm_head_weight(), labels_T, reduction=reduction)
+            return loss
         parts = {"lm_loss": loss.detach()}
         if router_stats and self.router_aux_loss_coef > 0:  # a Python float: no sync
             aux = load_balancing_loss(router_stats, input_ids_T.shape[0])
@@ -334,6 +334,46 @@ class CausalLM(nn.Module):
             loss = loss + self.router_aux_loss_coef * aux
             parts["aux_loss"] = aux.detach()
         return (loss, parts) if return_parts else loss
+
+
+def check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions) -> None:
+    """The one-line errors of `loss`'s arguments (shapes only: no host sync)."""
+    if labels_T.shape != input_ids_T.shape:
+        raise ValueError(
+            f"labels has shape {tuple(labels_T.shape)} but input_ids has "
+            f"{tuple(input_ids_T.shape)}; they must match (flat packed layout)."
+        )
+    if reduction == "none" and label_positions is None:
+        raise ValueError("reduction='none' needs label_positions (the rows to score)")
+    _check_batch(input_ids_T, seq)
+
+
+def head_loss(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    reduction: str,
+    label_positions: torch.Tensor | None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`loss`'s cross-entropy of the final hidden states (see CausalLM.loss); a head whose
+    logits are scaled takes `h_TD` pre-scaled (no bias: (s h) W^T = s logits)."""
+    if label_positions is not None:
+        _check_positions(label_positions, labels_T)
+        # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
+        # Qwen3-0.6B); with 38% of rows labelled (chitchat) 62% of that fed losses of 0.
+        # index_select by host-built indices has a known output shape, no host sync;
+        # `h_TD[labels_T != -100]` would sync to size its output.
+        h_TD = h_TD.index_select(0, label_positions)
+        labels_T = labels_T.index_select(0, label_positions)
+    if reduction == "none":
+        if temperature != 1.0 and softcap is not None:
+            raise ValueError("log-probs at a temperature of a softcapped head: not supported")
+        if temperature != 1.0:  # the head has no bias: (h / T) W^T = logits / T
+            h_TD = h_TD / temperature
+        return -linear_token_logps(h_TD, weight_VD, labels_T, softcap=softcap)
+    return linear_cross_entropy(h_TD, weight_VD, labels_T, reduction=reduction, softcap=softcap)
 
 
 def _check_batch(input_ids_T: torch.Tensor, seq: SeqInfo) -> None:

@@ -45,6 +45,7 @@ from slipstream.models.common import (
     sliding_windows,
 )
 from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
 
@@ -292,3 +293,4 @@ class Gemma3Weights(WeightMap):
 
 
 weights = Gemma3Weights
+SPEC = FamilySpec("gemma3", config_from_hf, build, weights)

@@ -47,6 +47,7 @@ from slipstream.models.moe_block import (
     aux_loss_coef_from_hf,
     num_experts_from_hf,
 )
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 from slipstream.ops.attention import attend
 from slipstream.ops.moe import RoutingPlan, grouped_mm
@@ -237,3 +238,4 @@ class GptOssWeights(WeightMap):
 
 
 weights = GptOssWeights
+SPEC = FamilySpec("gpt_oss", config_from_hf, build, weights)

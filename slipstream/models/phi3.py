@@ -42,6 +42,7 @@ from slipstream.models.common import (
     sliding_windows,
 )
 from slipstream.models.rope import RopeConfig, rope_cos_sin
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
 
@@ -202,3 +203,4 @@ def build(cfg: ModelConfig) -> CausalLM:
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map
+SPEC = FamilySpec("phi3", config_from_hf, build, weights)

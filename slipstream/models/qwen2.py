@@ -21,6 +21,7 @@ from slipstream.models.common import (
     base_config_from_hf,
     sliding_windows,
 )
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 
 
@@ -55,3 +56,4 @@ def build(cfg: ModelConfig) -> CausalLM:
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map
+SPEC = FamilySpec("qwen2", config_from_hf, build, weights)

@@ -17,6 +17,7 @@ from slipstream.models.common import (
     base_config_from_hf,
 )
 from slipstream.models.qwen2 import layer_windows  # transformers reads Qwen3's windows alike
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 
 
@@ -46,3 +47,4 @@ def build(cfg: ModelConfig) -> CausalLM:
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map
+SPEC = FamilySpec("qwen3", config_from_hf, build, weights)

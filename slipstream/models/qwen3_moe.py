@@ -42,6 +42,7 @@ from slipstream.models.moe_block import (
     num_experts_from_hf,
 )
 from slipstream.models.qwen3 import attention
+from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap, check_shape
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 
@@ -181,3 +182,4 @@ class Qwen3MoeWeights(WeightMap):
 
 
 weights = Qwen3MoeWeights
+SPEC = FamilySpec("qwen3_moe", config_from_hf, build, weights)

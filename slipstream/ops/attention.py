@@ -55,21 +55,29 @@ def attend(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence -> (T, H, Dh).
 
     window: each query sees at most the last `window` keys of its own sequence (itself
-    included). sinks: (H,) per-head sink logits. When generating, `seq.kv` (a step of
+    included). sinks: (H,) per-head sink logits. softcap: scores become
+    softcap * tanh(scores / softcap) (Gemma 2). When generating, `seq.kv` (a step of
     slipstream.generation.cache) stores this layer's keys and values and attends over its
     cache, with the same window, sinks and scale the family passed.
     """
     if seq.kv is not None:
+        if softcap is not None:
+            raise ValueError("attention softcapping is not supported by the KV-cache engine")
         return seq.kv.attend(q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale)
-    return attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+    return attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
 
 
-def attend_packed(q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, scale=None):
+def attend_packed(
+    q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, scale=None, softcap=None
+):
     """`attend` without a KV cache: the packed sequences hold all their keys."""
+    if softcap is not None:  # the written-out softmax, one sequence at a time (any device)
+        return _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
     if q_THD.is_cuda:
         if sinks is None and _varlen_fits(q_THD) and _varlen_supports():
             return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)
@@ -78,10 +86,10 @@ def attend_packed(q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, sc
         # Tiny test-sized heads: the SDPA/eager paths below run on CUDA too.
     if per_sequence_wins(seq.lengths):
         if sinks is not None:
-            return _eager_with_sinks_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
+            return _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
         return _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale)
     if sinks is not None:
-        return _eager_with_sinks(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), sinks, scale)
+        return _eager(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), sinks, scale)
     return _in_float32(sdpa_masked)(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
 
 
@@ -179,29 +187,34 @@ def _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale):
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def _eager_with_sinks(q_THD, k_TGD, v_TGD, mask_TT, sinks_H, scale):
+def _eager(q_THD, k_TGD, v_TGD, mask_TT, sinks_H, scale, softcap=None):
     """Softmax over [scores, sink] written out, under a (T, T) bool mask: the CPU path for
-    sink attention (`mask_TT` block-diagonal over a packed batch, or one sequence's own)."""
+    sink attention (`mask_TT` block-diagonal over a packed batch, or one sequence's own), and
+    the path for softcapped scores (`sinks_H` None: no sink column)."""
     T, H, Dh = q_THD.shape
     rep = H // k_TGD.shape[1]
     k_THD = k_TGD.repeat_interleave(rep, dim=1)
     v_THD = v_TGD.repeat_interleave(rep, dim=1)
     scale = Dh**-0.5 if scale is None else scale
     scores_HTT = torch.einsum("thd,shd->hts", q_THD, k_THD) * scale
+    if softcap is not None:
+        scores_HTT = torch.tanh(scores_HTT / softcap) * softcap
     scores_HTT = scores_HTT.masked_fill(~mask_TT, float("-inf"))
+    if sinks_H is None:
+        return torch.einsum("hts,shd->thd", torch.softmax(scores_HTT, -1).to(v_THD.dtype), v_THD)
     sink_HT1 = sinks_H.to(scores_HTT.dtype)[:, None, None].expand(H, T, 1)
     probs = torch.softmax(torch.cat([scores_HTT, sink_HT1], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("hts,shd->thd", probs.to(v_THD.dtype), v_THD)
 
 
-def _eager_with_sinks_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale):
+def _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale, softcap=None):
     outs = []
     parts = (x.split(list(seq.lengths)) for x in (q_THD, k_TGD, v_TGD))
     for n, q, k, v in zip(seq.lengths, *parts, strict=True):
         mask = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).tril()
         if window is not None:
             mask = mask.triu(-(window - 1))
-        outs.append(_eager_with_sinks(q, k, v, mask, sinks_H, scale))
+        outs.append(_eager(q, k, v, mask, sinks_H, scale, softcap))
     return torch.cat(outs)
 
 

@@ -52,16 +52,21 @@ def linear_cross_entropy(
     bias: torch.Tensor | None = None,
     backend: str | None = None,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden_TD @ weight_VD.T (+ bias)` against `labels_T`, in float32.
 
     reduction "sum" or "mean" (over labels != ignore_index; 0 when there are none).
     backend None picks "torch" for CUDA tensors where available (USE_TORCH_LCE), else
-    "chunked".
+    "chunked". softcap: logits become softcap * tanh(logits / softcap) (Gemma 2's final
+    logit softcapping; "chunked" only).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r} is not supported; use 'mean' or 'sum'")
-    backend = backend or ("torch" if USE_TORCH_LCE and hidden_TD.is_cuda else "chunked")
+    torch_ok = USE_TORCH_LCE and hidden_TD.is_cuda and softcap is None
+    backend = backend or ("torch" if torch_ok else "chunked")
+    if backend == "torch" and softcap is not None:
+        raise ValueError("softcap needs backend='chunked'")
     if backend not in ("torch", "chunked"):
         raise ValueError(f"backend={backend!r} is not supported; use 'torch' or 'chunked'")
     if hidden_TD.shape[:-1] != labels_T.shape:
@@ -84,8 +89,9 @@ def linear_cross_entropy(
     else:
         rows = chunk_size or max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
         loss_sum = _ChunkedLinearCrossEntropy.apply(
-            hidden_TD, weight_VD, labels_T, bias, ignore_index, rows, torch.is_grad_enabled()
-        )
+            hidden_TD, weight_VD, labels_T, bias, ignore_index, rows, torch.is_grad_enabled(),
+            softcap,
+        )  # fmt: skip
     if reduction == "sum":
         return loss_sum
     count = (labels_T != ignore_index).sum().clamp(min=1)
@@ -105,7 +111,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy; gradients computed chunk by chunk in forward and kept."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, bias_V, ignore_index, rows, grad_enabled):
+    def forward(
+        ctx, hidden_TD, weight_VD, labels_T, bias_V, ignore_index, rows, grad_enabled, softcap
+    ):
         # Inside forward autograd is off; whether grads are wanted comes from the caller.
         need_h = grad_enabled and hidden_TD.requires_grad
         need_w = grad_enabled and weight_VD.requires_grad
@@ -120,6 +128,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h_CD = hidden_TD[start : start + rows]
             y_C = labels_T[start : start + rows]
             logits_CV = _head_logits(h_CD, weight_VD, bias_V).float()
+            if softcap is not None:  # c = s tanh(z / s): dc/dz = 1 - tanh^2
+                tanh_CV = torch.tanh(logits_CV / softcap)
+                logits_CV = tanh_CV * softcap
             valid_C = y_C != ignore_index
             target_C = torch.where(valid_C, y_C, 0)
             lse_C = torch.logsumexp(logits_CV, dim=-1)
@@ -131,6 +142,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
             grad_CV.scatter_add_(1, target_C[:, None], -torch.ones_like(lse_C[:, None]))
             grad_CV.mul_(valid_C[:, None])
+            if softcap is not None:
+                grad_CV.mul_(1 - tanh_CV.square_())
             if need_b:
                 grad_b_V += grad_CV.sum(0)
             grad_CV = grad_CV.to(hidden_TD.dtype)
@@ -154,7 +167,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         gh = (grad_h_TD * grad_loss.to(grad_h_TD.dtype)) if need_h else None
         gw = (grad_w_VD * grad_loss).to(w_dtype) if need_w else None
         gb = (grad_b_V * grad_loss).to(b_dtype) if need_b else None
-        return gh, gw, None, gb, None, None, None
+        return gh, gw, None, gb, None, None, None, None
 
 
 def linear_token_logps(
@@ -163,8 +176,10 @@ def linear_token_logps(
     targets_N: torch.Tensor,
     *,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """log softmax(hidden_ND @ weight_VD.T)[n, targets_N[n]] for each row, in float32: (N,).
+    softcap: of softcap * tanh(logits / softcap), as `linear_cross_entropy`.
 
     For objectives that need each token's log-prob (per-sequence sums in DPO, ratios in RL),
     not one summed loss. Rows go through the head in chunks of at most 2**26 float32 logits;
@@ -179,19 +194,21 @@ def linear_token_logps(
     rows = chunk_size or max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
     targets_N = targets_N.long()
     if hidden_ND.shape[0] <= rows:
-        return _token_logps(hidden_ND, weight_VD, targets_N)
+        return _token_logps(hidden_ND, weight_VD, targets_N, softcap)
     from torch.utils.checkpoint import checkpoint
 
     parts = [
-        checkpoint(_token_logps, h, weight_VD, y, use_reentrant=False)
+        checkpoint(_token_logps, h, weight_VD, y, softcap, use_reentrant=False)
         if torch.is_grad_enabled()
-        else _token_logps(h, weight_VD, y)
+        else _token_logps(h, weight_VD, y, softcap)
         for h, y in zip(hidden_ND.split(rows), targets_N.split(rows), strict=True)
     ]
     return torch.cat(parts)
 
 
-def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor) -> torch.Tensor:
+def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, softcap=None):
     logits_CV = linear_frozen(h_CD, w_VD).float()  # a frozen float32 CPU head: oneDNN
+    if softcap is not None:
+        logits_CV = torch.tanh(logits_CV / softcap) * softcap
     picked_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
     return picked_C - torch.logsumexp(logits_CV, dim=-1)

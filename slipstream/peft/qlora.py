@@ -85,7 +85,7 @@ def quantize_linear_targets(
     targets: tuple[str, ...] = NF4_TARGETS,
     skip: tuple[str, ...] = (),
 ) -> list[str]:
-    """Swap each targeted nn.Linear in `model.model.layers` for an empty NF4 Linear4bit.
+    """Swap each targeted nn.Linear in the decoder layers for an empty NF4 Linear4bit.
 
     Call on the meta-device model before `to_empty`: the placeholder weight has the packed
     shape (one uint8 per two weights), so no full-precision storage is ever allocated.

@@ -1,0 +1,258 @@
+"""The generic family: transformers' own modeling code for every model_type without a native
+family (or with `model.implementation: transformers`), slipstream's ideas applied from outside
+through the interfaces transformers provides, as gpt-fast applies tensor parallelism to a
+built model:
+
+- packed sequences: our function in transformers' `AttentionInterface` calls `attend` with
+  the batch's host-built `SeqInfo`, passed down the forward's kwargs (models/generic_hooks.py);
+  no mask is built; stateful token mixers (linear attention, SSMs, short convolutions) run
+  once per packed sequence, so no state crosses a boundary;
+- checkpointing/offload: `decoder_layers()` are transformers' `GradientCheckpointingLayer`s,
+  which `memory.offload.apply_checkpointing` wraps like native layers;
+- loss: the final hidden states of the labelled positions only, then our chunked
+  cross-entropy on the head's weight, with the model's logit scaling and softcapping.
+
+The module tree is transformers' ForCausalLM's own (its children are ours), so parameter
+names, LoRA module paths and PEFT adapter keys are transformers' and peft loads them as is.
+Weights load through transformers' `from_pretrained` (meta device first, tensors streamed,
+its checkpoint conversions such as per-expert -> stacked MoE weights applied), and a merged
+export is its `save_pretrained`.
+
+Shapes: T tokens (flat, packed), D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.models.common import (
+    ModelConfig,
+    _check_batch,
+    check_loss_args,
+    head_loss,
+)
+from slipstream.models.generic_hooks import (
+    ATTENTION,
+    SEQ_KWARG,
+    per_sequence_mixers,
+    register,
+    scope_layers,
+)
+from slipstream.models.rope import RopeConfig
+from slipstream.models.spec import FamilySpec
+from slipstream.models.weights import WeightMap
+from slipstream.ops.packing import SeqInfo
+
+log = logging.getLogger("slipstream")
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The fields slipstream reads of any model (FLOPs, logs), from config.json or its
+    text_config; transformers' config object is what builds the model."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    heads = text.get("num_attention_heads") or 1
+    hidden = text.get("hidden_size") or text.get("d_model") or text.get("n_embd") or 0
+    return ModelConfig(
+        model_type=hf.get("model_type"),
+        vocab_size=text.get("vocab_size", 0),
+        hidden_size=hidden,
+        intermediate_size=text.get("intermediate_size") or 0,
+        num_hidden_layers=text.get("num_hidden_layers") or text.get("n_layer") or 0,
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or (hidden // heads if heads else 0),
+        rms_norm_eps=text.get("rms_norm_eps") or text.get("layer_norm_eps") or 1e-6,
+        rope=RopeConfig(),  # unused: transformers' own rotary embedding runs
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hf=dict(hf),
+        implementation="transformers",
+    )
+
+
+def _hf_config(cfg: ModelConfig, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    hf = dict(cfg.hf)
+    model_type = hf.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **hf)
+    except Exception as e:  # transformers' own words, on one line
+        raise ValueError(f"config.json: transformers cannot build {model_type!r}: {e}") from None
+
+
+def build(cfg: ModelConfig, trust_remote_code: bool = False) -> GenericCausalLM:
+    """transformers' model of `cfg` on the current default device, randomly initialised."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    config = _hf_config(cfg, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=ATTENTION, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:
+        raise ValueError(
+            f"config.json: transformers cannot build {cfg.model_type!r}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+    return GenericCausalLM(cfg, model)
+
+
+def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -> GenericCausalLM:
+    """transformers' `from_pretrained` (its loader streams the tensors into a meta-built
+    model and applies its checkpoint conversions), wrapped."""
+    from transformers import AutoModelForCausalLM
+
+    if quantize:
+        raise ValueError(
+            f"{source}: model.quantization={quantize} is not supported yet on a model built by "
+            f"transformers' modeling code ({hf.get('model_type')!r}); use none (LoRA/full)."
+        )
+    if folder is None:
+        raise ValueError(
+            f"{source}: a GGUF file of model_type {hf.get('model_type')!r} has no native "
+            "family; load its original Hugging Face checkpoint instead."
+        )
+    register()
+    cfg = config_from_hf(hf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, device_map={"": device}, attn_implementation=ATTENTION,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{source}: transformers cannot load this checkpoint: {first}") from None
+    return GenericCausalLM(cfg, model)
+
+
+def decoder_layers_of(hf_model: nn.Module) -> nn.ModuleList:
+    """The first ModuleList of transformers' GradientCheckpointingLayers (the decoder)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in hf_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if all(isinstance(m, GradientCheckpointingLayer) for m in module):
+                return module
+    raise ValueError(
+        f"{type(hf_model).__name__}: no list of decoder layers (GradientCheckpointingLayer) "
+        "found; this model cannot be trained by slipstream's generic path."
+    )
+
+
+def head_transform(config) -> tuple[float, float | None]:
+    """(scale, softcap) transformers applies to the head's logits: Granite divides by
+    `logits_scaling`, Cohere multiplies by `logit_scale`, Falcon-H1 by `lm_head_multiplier`,
+    Gemma 2/3 softcap by `final_logit_softcapping`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if getattr(text, "logits_scaling", None):
+        scale /= text.logits_scaling
+    for name in ("logit_scale", "lm_head_multiplier"):
+        if getattr(text, name, None):
+            scale *= getattr(text, name)
+    return scale, getattr(text, "final_logit_softcapping", None) or None
+
+
+class GenericCausalLM(nn.Module):
+    """transformers' causal LM under the slipstream model contract (models/contract.py):
+    `model(input_ids, seq)` -> logits (T, V), `loss(...)` as `CausalLM.loss`."""
+
+    router_aux_loss_coef = 0.0  # transformers' routers' aux loss is not added (see docs)
+
+    def __init__(self, cfg: ModelConfig, hf_model: nn.Module) -> None:
+        super().__init__()
+        if hf_model._parameters or hf_model._buffers:
+            raise ValueError(f"{type(hf_model).__name__} holds tensors outside its submodules")
+        self.config = cfg
+        self.__dict__["hf"] = hf_model  # not a submodule: its children are ours, names kept
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        self.__dict__["_layers"] = decoder_layers_of(hf_model)
+        scope_layers(self._layers)
+        self.per_sequence = per_sequence_mixers(self._layers)
+        self.logit_scale, self.softcap = head_transform(hf_model.config)
+        hf_model.config.use_cache = False
+        self.train()  # from_pretrained leaves eval mode; native models start in train mode
+
+    # The model contract.
+    def decoder_layers(self) -> nn.ModuleList:
+        return self._layers
+
+    def input_embeddings(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.hf.get_output_embeddings().weight
+
+    def reset_buffers(self) -> None:
+        """Non-persistent buffers (RoPE inverse frequencies) as transformers computes them."""
+        for module in self.modules():
+            init = getattr(module, "rope_init_fn", None)
+            if init is not None and hasattr(module, "inv_freq"):
+                inv_freq, _ = init(module.config, module.inv_freq.device)
+                module.inv_freq.copy_(inv_freq)
+
+    rope_switch_length = None
+
+    def train(self, mode: bool = True) -> GenericCausalLM:
+        super().train(mode)
+        self.hf.training = mode
+        return self
+
+    def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        """(T, D) after the final norm: transformers' backbone over the packed stream."""
+        _check_batch(input_ids_T, seq)
+        out = self.hf.base_model(
+            input_ids=input_ids_T[None], position_ids=seq.position_ids[None], use_cache=False,
+            **{SEQ_KWARG: seq},
+        )  # fmt: skip
+        return out[0][0]
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        logits_TV = F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+        if self.logit_scale != 1.0:
+            logits_TV = logits_TV * self.logit_scale
+        if self.softcap is not None:
+            logits_TV = torch.tanh(logits_TV / self.softcap) * self.softcap
+        return logits_TV
+
+    def loss(
+        self,
+        input_ids_T: torch.Tensor,
+        labels_T: torch.Tensor,
+        seq: SeqInfo,
+        reduction: str = "mean",
+        label_positions: torch.Tensor | None = None,
+        return_parts: bool = False,
+        temperature: float = 1.0,
+    ):
+        """As `CausalLM.loss` (no router aux loss)."""
+        check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
+        h_TD = self.hidden_states(input_ids_T, seq)
+        if self.logit_scale != 1.0:
+            h_TD = h_TD * self.logit_scale
+        loss = head_loss(
+            h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature,
+            self.softcap,
+        )  # fmt: skip
+        if reduction == "none":
+            return loss
+        return (loss, {"lm_loss": loss.detach()}) if return_parts else loss
+
+
+def save(model: GenericCausalLM, out) -> None:
+    """transformers' `save_pretrained` (its inverse conversions: the checkpoint layout)."""
+    model.hf.config.use_cache = True
+    try:
+        model.hf.save_pretrained(str(out))
+    finally:
+        model.hf.config.use_cache = False
+
+
+SPEC = FamilySpec("generic", config_from_hf, build, WeightMap, load)

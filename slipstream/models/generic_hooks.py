@@ -1,0 +1,140 @@
+"""What the generic family registers with transformers and wraps around its modules: the
+packed-sequence attention function, the per-sequence run of token mixers that are not softmax
+attention, and the scope that hands each decoder layer's `SeqInfo` down to them.
+
+transformers' layers call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k,
+v, mask, scaling=, sliding_window=, softcap=, s_aux=, **kwargs)`; the kwargs are the ones the
+model's forward received, so the batch's host-built `SeqInfo` (`SEQ_KWARG`) reaches every layer
+with no mask built: a name not in `AttentionMaskInterface` makes transformers' mask builders
+return None before they look at position ids, so `find_packed_sequence_indices` (a host sync)
+never runs.
+
+Shapes: B batch (always 1: the packed stream), H query heads, G kv heads, T tokens, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from torch import nn
+
+from slipstream.ops.attention import attend
+from slipstream.ops.packing import SeqInfo
+
+ATTENTION = "slipstream"  # our name in transformers' AttentionInterface
+SEQ_KWARG = "slipstream_seq"  # the forward kwarg that carries the batch's SeqInfo
+# The SeqInfo of the decoder layer running now, for modules whose caller drops the kwargs
+# (a token mixer called with its own arguments only). Set around each layer's forward, so
+# a recompute in backward (checkpointing, offload) sees its own batch's.
+_CURRENT: contextvars.ContextVar[SeqInfo | None] = contextvars.ContextVar(SEQ_KWARG, default=None)
+
+# Token mixers that carry state along the sequence (linear attention, SSMs, short
+# convolutions), by class-name suffix. Their torch implementations (the only ones on CPU)
+# read no packed boundaries, so they run once per packed sequence: state never crosses one.
+PER_SEQUENCE_MIXERS = (
+    "GatedDeltaNet", "ShortConv", "MambaMixer", "Mamba2Mixer", "Mixer", "LinearAttention",
+)  # fmt: skip
+
+
+def current_seq(kwargs: dict) -> SeqInfo | None:
+    return kwargs.get(SEQ_KWARG) or _CURRENT.get()
+
+
+def slipstream_attention(
+    module: nn.Module,
+    query_BHTD: torch.Tensor,
+    key_BGTD: torch.Tensor,
+    value_BGTD: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over `attend`: -> ((1, T, H, Dh), None)."""
+    seq = current_seq(kwargs)
+    if seq is None:
+        raise ValueError(
+            f"{type(module).__name__}: the slipstream attention function needs the batch's "
+            "SeqInfo; call the model as model(input_ids, seq), not transformers' forward."
+        )
+    if dropout and module.training:
+        raise ValueError(
+            f"{type(module).__name__}: attention dropout {dropout} is not supported on the "
+            "packed path; set attention_dropout to 0 in config.json."
+        )
+    q_THD, k_TGD, v_TGD = (x[0].transpose(0, 1) for x in (query_BHTD, key_BGTD, value_BGTD))
+    window = sliding_window if sliding_window else None  # transformers passes 0/None: full
+    o_THD = attend(
+        q_THD, k_TGD, v_TGD, seq, window=window, sinks=s_aux, scale=scaling, softcap=softcap
+    )
+    return o_THD[None], None
+
+
+def register() -> None:
+    """Register the attention function with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, slipstream_attention)
+
+
+def _scoped_forward(self, *args, **kwargs):
+    token = _CURRENT.set(kwargs.get(SEQ_KWARG))
+    try:
+        return type(self)._slipstream_scoped.forward(self, *args, **kwargs)
+    finally:
+        _CURRENT.reset(token)
+
+
+def _per_sequence_forward(self, *args, **kwargs):
+    """A token mixer run once per packed sequence (host lengths: no sync), outputs joined."""
+    base = type(self)._slipstream_per_sequence.forward
+    seq = current_seq(kwargs)
+    kwargs.pop(SEQ_KWARG, None)
+    if seq is None or seq.num_seqs == 1 or seq.kv is not None:
+        return base(self, *args, **kwargs)
+    key = None if args else "hidden_states"
+    x_BTD = args[0] if args else kwargs.pop(key)
+    outs = []
+    for part in x_BTD.split(list(seq.lengths), dim=1):
+        call_args = (part, *args[1:]) if key is None else args
+        call_kwargs = kwargs if key is None else {**kwargs, key: part}
+        outs.append(base(self, *call_args, **call_kwargs))
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=1)
+    return (torch.cat([o[0] for o in outs], dim=1), *outs[0][1:])
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _swap(module: nn.Module, kind: str, forward) -> None:
+    """Swap `module`'s class for a subclass with `forward` (names and hooks unchanged)."""
+    cls = type(module)
+    if (cls, kind) not in _CLASSES:
+        attrs = {"forward": forward, f"_slipstream_{kind}": cls}
+        _CLASSES[(cls, kind)] = type(
+            f"{kind.title().replace('_', '')}{cls.__name__}", (cls,), attrs
+        )
+    module.__class__ = _CLASSES[(cls, kind)]
+
+
+def scope_layers(layers: nn.ModuleList) -> None:
+    """Each decoder layer publishes its SeqInfo to the modules inside it while it runs."""
+    for layer in layers:
+        _swap(layer, "scoped", _scoped_forward)
+
+
+def per_sequence_mixers(layers: nn.ModuleList) -> list[str]:
+    """Wrap every stateful token mixer inside `layers` to run per sequence; their names."""
+    found = []
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            inside = any(name.startswith(f"{n}.") for _, n in found if _ == i)
+            if name and not inside and type(module).__name__.endswith(PER_SEQUENCE_MIXERS):
+                found.append((i, name))
+                _swap(module, "per_sequence", _per_sequence_forward)
+    return [f"layers.{i}.{name}" for i, name in found]
