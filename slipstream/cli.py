@@ -184,7 +184,8 @@ def read_run_config(args: argparse.Namespace):
 
     cfg = load_config(args.config, args.overrides)
     check_run_paths(cfg)
-    check_model_source(cfg.model.path)
+    m = cfg.model
+    check_model_source(m.path, "model.path", m.implementation, m.trust_remote_code)
     return cfg
 
 

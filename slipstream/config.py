@@ -56,6 +56,14 @@ class ModelSection(_Section):
         "PEFT adapter folder to start from (LoRA: its factors, r, alpha, targets and dropout "
         "win over lora's; full: merged in first)",
     )
+    implementation: Literal["auto", "native", "transformers"] = _opt(
+        "auto",
+        "auto: slipstream's native family where there is one, else transformers' modeling code "
+        "(any causal LM transformers builds); native / transformers force one",
+    )
+    trust_remote_code: bool = _opt(
+        False, "allow a checkpoint's own modeling code (config.json auto_map): runs its Python"
+    )
     add_tokens: list[str] = Field(
         default_factory=list,
         description="tokens added to the tokenizer; new embedding rows start at the mean, "

@@ -24,7 +24,12 @@ def preview(cfg: Any, *, color: bool = False) -> str:
     add_tokens(tokenizer, cfg.model.add_tokens)
     data = build_data(cfg, tokenizer)
     t, report = cfg.train, data.report
-    lines = [f"source {src}: format {fmt}" for src, fmt in data.formats.items()]
+    from slipstream.checkpoint.model_type import check_model_source
+
+    m = cfg.model
+    path = check_model_source(m.path, "model.path", m.implementation, m.trust_remote_code)
+    lines = [f"model {path or m.path + ': model_type known after download'}"]
+    lines += [f"source {src}: format {fmt}" for src, fmt in data.formats.items()]
     marks = "green" if color else "[brackets]"
     lines += ["", f"example 1 of {len(data.train)}, trained tokens in {marks}:"]
     lines += [marked_text(tokenizer, data.train[0], color=color).rstrip("\n"), ""]

@@ -16,12 +16,29 @@ from slipstream.models import check_model_type
 from slipstream.sources import gguf_header_string, is_hub_id, resolve_model
 
 
-def check_model_source(source: str, what: str = "model.path") -> None:
+def check_model_source(
+    source: str, what: str = "model.path", implementation: str = "auto",
+    trust_remote_code: bool = False,
+) -> str | None:  # fmt: skip
     """A one-line ValueError (the supported types listed) when `source` holds a model type
-    slipstream cannot build; nothing when it does, or when only a download could tell."""
+    slipstream cannot build; else which path it takes and why ("llama: native family ..."),
+    or None when only a download could tell."""
     found = model_type_of(source, what)
-    if found is not None:
-        check_model_type(*found)
+    if found is None:
+        return None
+    model_type, where = found
+    hf = _config_dict(source, what)
+    why = check_model_type(model_type, where, implementation, hf, trust_remote_code)
+    return f"{model_type}: {why}"
+
+
+def _config_dict(source: str, what: str) -> dict | None:
+    config = Path(resolve_model(source, what)) / "config.json"
+    try:
+        hf = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return hf if isinstance(hf, dict) else None
 
 
 def model_type_of(source: str, what: str = "model.path") -> tuple[str | None, str] | None:

@@ -131,14 +131,16 @@ def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -
     return GenericCausalLM(cfg, model)
 
 
-def decoder_layers_of(hf_model: nn.Module) -> nn.ModuleList:
-    """The first ModuleList of transformers' GradientCheckpointingLayers (the decoder)."""
+def decoder_of(hf_model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """(the backbone, its decoder layers): the first ModuleList of transformers'
+    GradientCheckpointingLayers, and the module holding it."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     for module in hf_model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if all(isinstance(m, GradientCheckpointingLayer) for m in module):
-                return module
+        for child in module.children():
+            layers = isinstance(child, nn.ModuleList) and len(child) > 0
+            if layers and all(isinstance(m, GradientCheckpointingLayer) for m in child):
+                return module, child
     raise ValueError(
         f"{type(hf_model).__name__}: no list of decoder layers (GradientCheckpointingLayer) "
         "found; this model cannot be trained by slipstream's generic path."
@@ -173,7 +175,7 @@ class GenericCausalLM(nn.Module):
         self.__dict__["hf"] = hf_model  # not a submodule: its children are ours, names kept
         for name, child in hf_model.named_children():
             self.add_module(name, child)
-        self.__dict__["_layers"] = decoder_layers_of(hf_model)
+        self.__dict__["_backbone"], self.__dict__["_layers"] = decoder_of(hf_model)
         scope_layers(self._layers)
         self.per_sequence = per_sequence_mixers(self._layers)
         self.logit_scale, self.softcap = head_transform(hf_model.config)
@@ -208,7 +210,7 @@ class GenericCausalLM(nn.Module):
     def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         """(T, D) after the final norm: transformers' backbone over the packed stream."""
         _check_batch(input_ids_T, seq)
-        out = self.hf.base_model(
+        out = self._backbone(
             input_ids=input_ids_T[None], position_ids=seq.position_ids[None], use_cache=False,
             **{SEQ_KWARG: seq},
         )  # fmt: skip

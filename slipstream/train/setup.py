@@ -46,7 +46,8 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
     from slipstream.sources import check_run_paths, sources_of
 
     check_run_paths(cfg)  # every file, before the first is read
-    check_model_source(cfg.model.path)  # a model we cannot build: said before tokenizing
+    m = cfg.model  # a model we cannot build: said before tokenizing
+    check_model_source(m.path, "model.path", m.implementation, m.trust_remote_code)
     d, t = cfg.data, cfg.train
     objective = objective if objective is not None else build_objective(cfg)
     examples, eval_examples, reports, formats = [], [], [], {}
@@ -125,8 +126,12 @@ def build_model(
     dist.print_main(f"slipstream: dtype {what} ({why})")
     dist.print_main(f"slipstream: loading the model weights from {cfg.model.path} ({what})...")
     start = time.perf_counter()
-    model = load_model(cfg.model.path, dtype=dtype, device=device, quantize=quantize)
+    model = load_model(
+        cfg.model.path, dtype=dtype, device=device, quantize=quantize,
+        implementation=cfg.model.implementation, trust_remote_code=cfg.model.trust_remote_code,
+    )  # fmt: skip
     dist.print_main(f"slipstream: model loaded in {time.perf_counter() - start:.0f} s")
+    dist.print_main(f"slipstream: model {model.load_path}")
     if cfg.train.router_aux_loss_coef is not None:
         if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
             raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")

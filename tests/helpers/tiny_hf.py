@@ -1,0 +1,83 @@
+"""Tiny random configs of transformers' own config classes, for the generic family's tests
+(float32, no network): every size the config class has is shrunk to a few units."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Sizes set wherever the config class has the attribute (its text config for multimodal ones).
+TINY: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "kv_lora_rank": 8,
+    "q_lora_rank": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 8,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+    "mamba_head_dim": 8,
+    "mamba_num_heads": 4,
+    "ssm_state_size": 8,
+    "n_groups": 1,
+    "conv_kernel": 4,
+    "block_dim": 32,
+    "block_ff_dim": 48,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+
+
+# What a type needs beyond TINY for a consistent tiny config.
+PER_TYPE: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"head_dim": 4, "qk_head_dim": 8},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "falcon_h1": {"mamba_d_ssm": 32, "mamba_chunk_size": 8},
+}
+
+
+def tiny_config(model_type: str, layers: int = 2, **overrides: Any):
+    """transformers' config for `model_type`, shrunk (TINY), `layers` decoder layers."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    text = cfg.get_text_config()
+    sizes = {**TINY, "num_hidden_layers": layers, **PER_TYPE.get(model_type, {}), **overrides}
+    for key, value in sizes.items():
+        if hasattr(text, key) or key in overrides or key in PER_TYPE.get(model_type, {}):
+            setattr(text, key, value)
+    for key in ("layer_types", "layers_block_type"):  # per-layer kinds: the first `layers`
+        kinds = getattr(text, key, None)
+        if isinstance(kinds, list | tuple) and kinds and len(kinds) != layers:
+            mixed = list(dict.fromkeys(kinds))
+            setattr(text, key, [mixed[i % len(mixed)] for i in range(layers)])
+    return cfg
