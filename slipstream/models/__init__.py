@@ -10,7 +10,6 @@ transformers' own modeling code); `model.implementation` forces either.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # not imported here: `check_model_type` answers before torch loads
@@ -105,4 +104,4 @@ family_for = family_spec  # the older name: a spec has the module's config_from_
 def weight_map(cfg) -> WeightMap:
     """A fresh weight map for a model of `cfg` (one per load or save: it holds load state)."""
     implementation = "transformers" if cfg.implementation == "transformers" else "auto"
-    return family_spec(cfg.model_type, implementation=implementation).weights(cfg)
+    return family_spec(cfg.model_type, "config.json", implementation).weights(cfg)

@@ -99,6 +99,25 @@ def apply_lora(
     MLP projections (DEFAULT_TARGETS, or FUSED_DEFAULT_TARGETS on a fused-projection model).
     use_dora: DoRA's trained magnitude per output row on each wrapped linear (peft/dora.py).
     """
+    if targets is None and getattr(model.config, "implementation", "") == "transformers":
+        # transformers' module names vary (fc1/dense, ...): the default names the model has,
+        # else every linear but the head. On a MoE model attention only: peft 0.21 reads
+        # gate/up/down_proj there as its stacked experts' parameters too (Qwen3-Next: it
+        # put LoRA on `mlp.experts` and none on the shared expert), which expert LoRA on
+        # the generic path does not do yet.
+        # A model with none: every linear but the head and those inside stateful token
+        # mixers (peft refuses Mamba's out_proj and conv1d).
+        present = linear_names(model)
+        names = FUSED_DEFAULT_TARGETS if "qkv_proj" in present else DEFAULT_TARGETS
+        moe = any(n.endswith(".experts") for n, _ in model.named_modules())
+        mlp = {"gate_proj", "up_proj", "down_proj", "gate_up_proj"} if moe else set()
+        targets = [t for t in names if t in present and t not in mlp]
+        if not targets:
+            mixers = tuple(f".{path}." for path in getattr(model, "per_sequence", ()))
+            targets = {
+                attr for name, _, attr, _ in linear_children(model)
+                if attr != "lm_head" and not any(m in f".{name}" for m in mixers)
+            }  # fmt: skip
     if targets is None:
         fused = "qkv_proj" in linear_names(model)
         targets = FUSED_DEFAULT_TARGETS if fused else DEFAULT_TARGETS

@@ -1,0 +1,300 @@
+"""The generic family (models/generic.py): transformers' own modeling code under slipstream's
+packing, loss, LoRA and offload, on tiny random configs of transformers' config classes
+(float32, no network). Each test goes through the production loader (`load_model` of a
+`save_pretrained` folder) and compares with transformers run one sequence at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.models import shifted_labels
+from helpers.tiny_hf import tiny_config
+
+from slipstream.checkpoint.adapter import save_adapter
+from slipstream.checkpoint.hf import load_model
+from slipstream.debug import count_syncs
+from slipstream.memory.offload import apply_checkpointing
+from slipstream.ops.packing import SeqInfo
+from slipstream.peft.lora import apply_lora
+
+LENGTHS = [7, 11, 3]  # 11 > the window of 4 the sliding-window types get
+WINDOWED = {"mistral", "gemma2", "cohere2", "starcoder2", "qwen2", "gemma3_text", "olmo3"}
+# The default suite: one of each kind (dense, sliding window, softcap, MoE, gated delta net,
+# short conv, Mamba2); the rest are @slow.
+FAST = ["llama", "mistral", "gemma2", "mixtral", "qwen3_next", "lfm2", "granite"]
+SLOW = [
+    "qwen3", "olmo2", "olmo3", "smollm3", "granitemoe", "qwen2_moe", "cohere2", "glm4_moe",
+    "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "falcon_h1", "nemotron_h",
+    "ernie4_5_moe", "minimax_m2", "starcoder2", "phi", "stablelm", "qwen2", "phi3",
+    "qwen3_moe", "gpt_oss", "gemma3_text",
+]  # fmt: skip
+TYPES = FAST + [pytest.param(t, marks=pytest.mark.slow) for t in SLOW]
+
+
+def _reference(model_type: str, seed: int = 0):
+    torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM
+
+    window = {"sliding_window": 4} if model_type in WINDOWED else {}
+    cfg = tiny_config(model_type, **window)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+@pytest.fixture(scope="module")
+def quiet():
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _pair(tmp_path, model_type):
+    ref = _reference(model_type)
+    ref.save_pretrained(tmp_path / "ckpt")
+    ours = load_model(tmp_path / "ckpt", implementation="transformers")
+    return ref, ours
+
+
+def _batch(vocab=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (sum(LENGTHS),), generator=g)
+    return ids, shifted_labels(ids, LENGTHS), SeqInfo.from_lengths(LENGTHS)
+
+
+def _per_sequence(ref, ids):
+    return torch.cat(
+        [ref(input_ids=s[None], use_cache=False).logits[0] for s in ids.split(LENGTHS)]
+    )
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_packed_logits_and_lora_grads_equal_per_sequence(tmp_path, quiet, model_type):
+    """Packed logits, loss and LoRA gradients equal transformers' + peft's per sequence,
+    through the adapter files (so peft loads ours unchanged, under transformers' names)."""
+    from peft import PeftModel
+
+    ref, ours = _pair(tmp_path, model_type)
+    ids, labels, seq = _batch()
+    with torch.no_grad():
+        assert _rel(ours(ids, seq), _per_sequence(ref.eval(), ids)) < 1e-4
+    apply_lora(ours, rank=4, alpha=8)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    save_adapter(ours, tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(ref, tmp_path / "adapter", is_trainable=True)
+    logits = _per_sequence(peft_model, ids)
+    keep = labels != -100
+    ref_loss = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+    ref_loss.backward()
+    positions = keep.nonzero()[:, 0]
+    loss = ours.loss(ids, labels, seq, reduction="sum", label_positions=positions)
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item())
+    theirs = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters()}
+    grads = {f"base_model.model.{n}": p.grad for n, p in ours.named_parameters() if "lora_" in n}
+    assert grads and set(grads) <= set(theirs)
+    for name, grad in grads.items():
+        assert _rel(grad, theirs[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_offload_and_recompute_give_the_same_gradients(tmp_path, quiet, model_type):
+    """Each GradientCheckpointingLayer under slipstream's offload Function (forced on CPU:
+    the real schedule with synchronous copies) and under recompute: the gradients of none."""
+    _, ours = _pair(tmp_path, model_type)
+    apply_lora(ours, rank=4, alpha=8)
+    ids, labels, seq = _batch()
+
+    def grads(mode):
+        apply_checkpointing(ours, mode, force=True)
+        ours.zero_grad()
+        ours.loss(ids, labels, seq, reduction="sum").backward()
+        return {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
+
+    plain = grads("none")
+    for mode in ("offload", "recompute"):
+        got = grads(mode)
+        assert set(got) == set(plain)
+        for name in plain:
+            torch.testing.assert_close(got[name], plain[name], rtol=1e-5, atol=1e-6)
+    assert type(ours.decoder_layers()[0]).__name__.startswith("Checkpointed")
+
+
+def test_state_never_crosses_a_packed_boundary(tmp_path, quiet):
+    """Without the per-sequence run of its gated delta net, Qwen3-Next's packed logits would
+    carry state from one sequence into the next: the wrapper is what makes them equal."""
+    from slipstream.models import generic_hooks
+
+    ref, ours = _pair(tmp_path, "qwen3_next")
+    assert ours.per_sequence == ["layers.0.linear_attn"]
+    ids, _, seq = _batch()
+    mixer = ours.decoder_layers()[0].linear_attn
+    with torch.no_grad():
+        expected = _per_sequence(ref.eval(), ids)
+        assert _rel(ours(ids, seq), expected) < 1e-4
+        mixer.__class__ = mixer._slipstream_per_sequence  # unwrapped: state leaks
+        assert _rel(ours(ids, seq), expected) > 1e-3
+    assert generic_hooks.SEQ_KWARG == "slipstream_seq"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_next"])
+def test_a_training_step_adds_no_host_sync(tmp_path, quiet, model_type):
+    """Forward, loss and backward of a LoRA step: no mask is built, nothing is read back
+    (transformers' own find_packed_sequence_indices never runs)."""
+    _, ours = _pair(tmp_path, model_type)
+    apply_lora(ours, rank=4, alpha=8)
+    apply_checkpointing(ours, "recompute")
+    ids, labels, seq = _batch()
+    positions = (labels != -100).nonzero()[:, 0]
+    with count_syncs() as syncs:
+        ours.loss(ids, labels, seq, reduction="sum", label_positions=positions).backward()
+    assert syncs.total == 0, syncs
+
+
+NATIVE = ["llama", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "gpt_oss", "mistral"]
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t in ("llama", "qwen3") else pytest.param(t, marks=pytest.mark.slow)
+                   for t in NATIVE],
+)  # fmt: skip
+def test_native_and_generic_agree(tmp_path, quiet, model_type):
+    """The same checkpoint through the native family and through transformers' code:
+    logits, loss and the adapter files' keys agree."""
+    ref = _reference(model_type)
+    ref.save_pretrained(tmp_path / "ckpt")
+    native = load_model(tmp_path / "ckpt")
+    generic = load_model(tmp_path / "ckpt", implementation="transformers")
+    assert native.config.implementation == "native"
+    assert type(generic).__name__ == "GenericCausalLM"
+    ids, labels, seq = _batch()
+    with torch.no_grad():
+        assert _rel(generic(ids, seq), native(ids, seq)) < 1e-4
+        a, b = native.loss(ids, labels, seq), generic.loss(ids, labels, seq)
+        assert abs(a.item() - b.item()) < 1e-4 * abs(a.item())
+    keys = []
+    for name, model in (("native", native), ("generic", generic)):
+        attention = ["qkv_proj", "o_proj"] if model_type == "phi3" else ["q_proj", "o_proj"]
+        apply_lora(model, rank=4, alpha=8, targets=attention)  # expert LoRA: native only
+        save_adapter(model, tmp_path / name)
+        cfg = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / name / "adapter_model.safetensors"), "pt") as f:
+            keys.append((sorted(f.keys()), cfg["target_modules"]))
+    assert keys[0] == keys[1]
+
+
+def test_export_merged_loads_in_transformers(tmp_path, quiet):
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.checkpoint.export import export_merged
+
+    _, ours = _pair(tmp_path, "mixtral")
+    apply_lora(ours, rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids, _, seq = _batch()
+    with torch.no_grad():
+        expected = ours(ids, seq)
+    export_merged(ours, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
+    with torch.no_grad():
+        assert _rel(_per_sequence(merged, ids), expected) < 1e-4
+
+
+def test_bad_inputs_are_one_line(tmp_path, quiet):
+    from slipstream.models import choose_family
+
+    with pytest.raises(ValueError, match="model_type 't5' is not supported") as e:
+        choose_family("t5", "x/config.json")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="implementation=native but model_type 'mixtral'"):
+        choose_family("mixtral", "x", "native")
+    remote = {"model_type": "my_model", "auto_map": {"AutoModelForCausalLM": "m.MyLM"}}
+    with pytest.raises(ValueError, match="trust_remote_code: true"):
+        choose_family("my_model", "x", "auto", remote)
+    assert choose_family("my_model", "x", "auto", remote, True)[0] == "generic"
+    assert choose_family("llama", "x")[0] == "llama"
+    assert choose_family("llama", "x", "transformers")[0] == "generic"
+    cfg = tiny_config("llama").to_dict()
+    cfg.update(model_type="mixtral", hidden_act="no_such_activation")
+    from slipstream.models import generic
+
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="transformers cannot build 'mixtral'") as e, meta:
+        generic.build(generic.config_from_hf(cfg))
+    assert "\n" not in str(e.value)
+
+
+def test_two_step_cli_run_whose_adapter_loads_in_peft(tmp_path, quiet, capsys):
+    """`slipstream train` on a model_type with no native family (OLMo 2): the log says which
+    path it took; the adapter loads in peft on transformers' model with our logits."""
+    import yaml
+    from helpers.runs import chat_rows
+    from helpers.tokenizers import save_test_tokenizer
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from slipstream import SeqInfo, cli, load_adapter
+
+    model_dir, out = tmp_path / "model", tmp_path / "run"
+    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config("olmo2", vocab_size=300))
+    hf.save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(16)))
+    raw = {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(data)},
+        "lora": {"method": "lora", "rank": 4},
+        "train": {"lr": 1e-2, "steps": 2, "tokens_per_batch": 128, "device": "cpu",
+                  "log_every": 1},
+        "output_dir": str(out),
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
+    captured = capsys.readouterr()
+    log = captured.out + captured.err
+    assert "model olmo2: transformers' modeling code: no native family for 'olmo2'" in log
+    assert "completed at step 2" in log
+    ours = load_model(model_dir)
+    load_adapter(ours, out)
+    ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8])
+    with torch.no_grad():
+        mine = ours(ids, SeqInfo.from_lengths([8]))
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(ref, out).eval()(ids[None]).logits[0]
+        base = AutoModelForCausalLM.from_pretrained(model_dir)(ids[None]).logits[0]
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert (base - theirs).abs().max() > 1e-3  # two steps moved the adapter
+
+
+def test_cli_refuses_native_on_a_type_without_one(tmp_path, quiet, capsys):
+    from slipstream import cli
+
+    folder = tmp_path / "m"
+    _reference("olmo2").save_pretrained(folder)
+    run = tmp_path / "run.yaml"
+    raw = {
+        "model": {"path": str(folder), "implementation": "native"},
+        "data": {"train": str(tmp_path / "d.jsonl")},
+        "output_dir": str(tmp_path / "o"),
+    }
+    run.write_text(json.dumps(raw))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    assert cli.main(["train", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "implementation=native but model_type 'olmo2'" in err[-1]
