@@ -46,7 +46,7 @@ def _grow(weight: torch.Tensor, size: int) -> torch.Tensor:
 def resize_vocab(model: nn.Module, size: int) -> int:
     """Grow the embedding and an untied head to `size` rows (new rows: the mean of the old);
     -> rows added (0 when the model already has that many or more)."""
-    embed = model.model.embed_tokens
+    embed = model.input_embeddings()
     old = embed.weight.shape[0]
     if size <= old:
         return 0
