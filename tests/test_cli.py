@@ -247,16 +247,22 @@ def test_unsupported_model_type_exits_2_before_tokenizing(tiny_run, tmp_path, mo
 
     monkeypatch.setattr(tokenizer_module, "load_tokenizer", no_load)
     monkeypatch.setattr(hf, "load_model", no_load)
-    model = tmp_path / "gpt2"
+    import transformers
+
+    model = tmp_path / "t5"  # no causal LM: neither a native family nor transformers' code
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (model / "config.json").write_text(json.dumps({"model_type": "t5", "num_layers": 2}))
     raw = lora_config(tiny_run, tmp_path / "out")
     raw["model"]["path"] = str(model)
     config = write_yaml(tmp_path / "run.yaml", raw)
-    said = f"model_type 'gpt2' is not supported; supported: {', '.join(sorted(FAMILIES))}."
+    said = (
+        f"model_type 't5' is not supported: it has no native family "
+        f"({', '.join(sorted(FAMILIES))}) and transformers {transformers.__version__} builds "
+        "no causal LM of that type (AutoModelForCausalLM)."
+    )
     for argv in (["preview", str(config)], ["train", str(config)], ["generate", str(model), "Hi"]):
         assert cli.main(argv) == 2, argv
         assert error_line(capsys).endswith(f"{model / 'config.json'}: {said}")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match="model_type 't5' is not supported"):
         build_data(load_config(str(config)), tokenizer=None)

@@ -298,3 +298,43 @@ def test_cli_refuses_native_on_a_type_without_one(tmp_path, quiet, capsys):
     assert cli.main(["train", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "implementation=native but model_type 'olmo2'" in err[-1]
+
+
+def test_standard_experts_run_slipstreams_one_pass_routing(tmp_path, quiet, monkeypatch):
+    """Mixtral's stacked experts dispatch to our ExpertsInterface function (ops.moe's plan and
+    grouped GEMMs) with transformers' router; gpt-oss's biased, transposed ones to its own."""
+    from slipstream.models import generic_hooks
+
+    plans = []
+    real_plan = generic_hooks.plan
+    monkeypatch.setattr(generic_hooks, "plan", lambda *a: plans.append(1) or real_plan(*a))
+    ref, ours = _pair(tmp_path, "mixtral")
+    assert ours.hf.config._experts_implementation == "slipstream"
+    ids, _, seq = _batch()
+    with torch.no_grad():
+        assert _rel(ours(ids, seq), _per_sequence(ref.eval(), ids)) < 1e-4
+    assert len(plans) == 2  # one per MoE layer
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_greedy_generation_equals_transformers_generate(tmp_path, quiet, model_type):
+    """The KV-cache engine runs transformers' softmax-attention layers through the same
+    attention function (the cache hook rides on the SeqInfo)."""
+    from slipstream.generation import engine
+
+    ref, ours = _pair(tmp_path, model_type)
+    prompts = [[5, 9, 11, 4], [7, 3, 8, 20, 21, 22]]
+    greedy = engine.Sampling(0.0, 1.0, 0)
+    rows = engine.run(ours, prompts, max_new_tokens=6, sampling=greedy, stop_ids=[2])
+    ref.eval()
+    for row, p in zip(rows, prompts, strict=True):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :]
+        assert list(row.token_ids) == want.tolist()
+
+
+def test_generation_refuses_stateful_layers_in_one_line(tmp_path, quiet):
+    from slipstream.generation import engine
+
+    _, ours = _pair(tmp_path, "qwen3_next")
+    with pytest.raises(ValueError, match="layers.0.linear_attn is not softmax attention"):
+        engine.run(ours, [[5, 9]], max_new_tokens=2, sampling=engine.Sampling(0.0, 1.0, 0))

@@ -48,6 +48,12 @@ class KVCache:
     @classmethod
     def for_model(cls, model, rows: int, max_len: int) -> KVCache:
         cfg = model.config
+        stateful = getattr(model, "per_sequence", ())  # generic: linear attention, SSM, conv
+        if stateful:
+            raise ValueError(
+                f"generation: {cfg.model_type}'s {stateful[0]} is not softmax attention and "
+                "slipstream's KV cache holds no state for it yet; generate with transformers."
+            )
         emb = model.input_embeddings().weight  # activations (hence q, k, v) take its dtype
         return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads,
                    cfg.head_dim, emb.dtype, emb.device)  # fmt: skip

@@ -39,6 +39,7 @@ from slipstream.models.common import (
 from slipstream.models.generic_hooks import (
     ATTENTION,
     SEQ_KWARG,
+    implementations,
     per_sequence_mixers,
     register,
     scope_layers,
@@ -93,7 +94,7 @@ def build(cfg: ModelConfig, trust_remote_code: bool = False) -> GenericCausalLM:
     config = _hf_config(cfg, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=ATTENTION, trust_remote_code=trust_remote_code
+            config, trust_remote_code=trust_remote_code, **_implementations(config)
         )
     except Exception as e:
         raise ValueError(
@@ -121,14 +122,29 @@ def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -
     register()
     cfg = config_from_hf(hf)
     try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype, device_map={"": device}, attn_implementation=ATTENTION,
-            trust_remote_code=trust_remote_code,
+            str(folder), config=config, dtype=dtype, device_map={"": device},
+            trust_remote_code=trust_remote_code, **_implementations(config),
         )  # fmt: skip
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{source}: transformers cannot load this checkpoint: {first}") from None
     return GenericCausalLM(cfg, model)
+
+
+def _implementations(config) -> dict[str, str]:
+    """Our attention function, and our experts function where the model's experts dispatch
+    through transformers' ExpertsInterface (not for remote code: its class is unknown here)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return {"attn_implementation": ATTENTION}
+    return implementations(model_class)
 
 
 def decoder_of(hf_model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 from slipstream.ops.attention import attend
+from slipstream.ops.moe import grouped_mm, permute, plan, unpermute
 from slipstream.ops.packing import SeqInfo
 
 ATTENTION = "slipstream"  # our name in transformers' AttentionInterface
+EXPERTS = "slipstream"  # and in its ExpertsInterface
 SEQ_KWARG = "slipstream_seq"  # the forward kwarg that carries the batch's SeqInfo
 # The SeqInfo of the decoder layer running now, for modules whose caller drops the kwargs
 # (a token mixer called with its own arguments only). Set around each layer's forward, so
@@ -74,11 +76,43 @@ def slipstream_attention(
     return o_THD[None], None
 
 
+def slipstream_experts(
+    self: nn.Module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts-function signature over ops.moe's one pass (stable sort, counts
+    by scatter_add, grouped GEMMs over device offsets, no host sync) for the standard stacked
+    layout: `gate_up_proj` (E, 2I, D) [gate; up], `down_proj` (E, D, I), no biases. Other
+    layouts run transformers' own grouped_mm forward."""
+    standard = (
+        self.has_gate and self.is_concatenated and not self.has_bias and not self.is_transposed
+        and not self.has_post_expert_norm and not self._is_expert_parallel
+    )  # fmt: skip
+    if not standard:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, x_TD, ids_TK, weights_TK)
+    p = plan(ids_TK, self.num_experts)
+    h_RF = grouped_mm(permute(x_TD, p), self.gate_up_proj.transpose(1, 2), p.offsets_E)
+    y_RD = grouped_mm(self._apply_gate(h_RF), self.down_proj.transpose(1, 2), p.offsets_E)
+    return unpermute(y_RD, p, weights_TK.to(y_RD.dtype)).to(x_TD.dtype)
+
+
 def register() -> None:
-    """Register the attention function with transformers (idempotent)."""
+    """Register the attention and experts functions with transformers (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
 
     AttentionInterface.register(ATTENTION, slipstream_attention)
+    ExpertsInterface.register(EXPERTS, slipstream_experts)
+
+
+def implementations(model_class) -> dict[str, str]:
+    """from_config/from_pretrained kwargs: our attention, and our experts where the model's
+    experts dispatch through transformers' ExpertsInterface."""
+    kwargs = {"attn_implementation": ATTENTION}
+    if model_class._can_set_experts_implementation():
+        kwargs["experts_implementation"] = EXPERTS
+    return kwargs
 
 
 def _scoped_forward(self, *args, **kwargs):
