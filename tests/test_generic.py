@@ -28,7 +28,7 @@ SLOW = [
     "qwen3", "olmo2", "olmo3", "smollm3", "granitemoe", "qwen2_moe", "cohere2", "glm4_moe",
     "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "falcon_h1", "nemotron_h",
     "ernie4_5_moe", "minimax_m2", "starcoder2", "phi", "stablelm", "qwen2", "phi3",
-    "qwen3_moe", "gpt_oss", "gemma3_text",
+    "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v3",
 ]  # fmt: skip
 TYPES = FAST + [pytest.param(t, marks=pytest.mark.slow) for t in SLOW]
 
@@ -338,3 +338,34 @@ def test_generation_refuses_stateful_layers_in_one_line(tmp_path, quiet):
     _, ours = _pair(tmp_path, "qwen3_next")
     with pytest.raises(ValueError, match="layers.0.linear_attn is not softmax attention"):
         engine.run(ours, [[5, 9]], max_new_tokens=2, sampling=engine.Sampling(0.0, 1.0, 0))
+
+
+@pytest.mark.slow
+def test_a_dpo_run_on_a_generic_model(tmp_path, quiet):
+    """Two DPO steps (reference = the base, adapters disabled) on OLMo 2 through the trainer:
+    both steps' losses are logged and finite."""
+    from helpers.runs import run_config
+    from helpers.tokenizers import save_test_tokenizer
+    from test_preference_train import pair_rows
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.config import config_from_dict
+    from slipstream.train.loop import train
+
+    model_dir = tmp_path / "model"
+    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("olmo2", vocab_size=300)).save_pretrained(
+        model_dir
+    )
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(8)))
+    raw = run_config((model_dir, pairs), tmp_path / "dpo", objective="dpo", steps=2, lr=1e-2)
+    raw["lora"] = {"method": "lora", "rank": 4}
+    raw["train"]["tokens_per_batch"] = 256
+    raw["data"].pop("eval_fraction", None)
+    summary = train(config_from_dict(raw))
+    rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert summary is not None

@@ -59,7 +59,7 @@ TINY: dict[str, Any] = {
 
 # What a type needs beyond TINY for a consistent tiny config.
 PER_TYPE: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {"head_dim": 4, "qk_head_dim": 8},
+    "deepseek_v3": {"head_dim": 4, "qk_head_dim": 8, "num_key_value_heads": 4},
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "falcon_h1": {"mamba_d_ssm": 32, "mamba_chunk_size": 8},
 }
@@ -73,7 +73,7 @@ def tiny_config(model_type: str, layers: int = 2, **overrides: Any):
     text = cfg.get_text_config()
     sizes = {**TINY, "num_hidden_layers": layers, **PER_TYPE.get(model_type, {}), **overrides}
     for key, value in sizes.items():
-        if hasattr(text, key) or key in overrides or key in PER_TYPE.get(model_type, {}):
+        if key in overrides or key in PER_TYPE.get(model_type, {}) or _has(text, key):
             setattr(text, key, value)
     for key in ("layer_types", "layers_block_type"):  # per-layer kinds: the first `layers`
         kinds = getattr(text, key, None)
@@ -81,3 +81,10 @@ def tiny_config(model_type: str, layers: int = 2, **overrides: Any):
             mixed = list(dict.fromkeys(kinds))
             setattr(text, key, [mixed[i % len(mixed)] for i in range(layers)])
     return cfg
+
+
+def _has(config, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # Gemma 4: a per-layer attribute (head_dim) has no global value
+        return False
