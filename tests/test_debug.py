@@ -235,6 +235,9 @@ class _Stack(nn.Module):
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(_SyncLayer(sync) for _ in range(layers))
 
+    def decoder_layers(self) -> nn.ModuleList:  # the model contract (models/contract.py)
+        return self.model.layers
+
     def forward(self, x):
         for layer in self.model.layers:
             x = layer(x, None, None)
