@@ -370,7 +370,8 @@ def plan_for_run(cfg, device: str, budget: int | None = None, *, say=print) -> P
             return None
         from slipstream.models import FAMILIES
 
-        if hf.get("model_type") not in FAMILIES:
+        generic = getattr(cfg.model, "implementation", "auto") == "transformers"
+        if hf.get("model_type") not in FAMILIES or generic:
             say(f"slipstream: memory plan skipped (model_type {hf.get('model_type')!r})")
             return None
         inp = PlanInputs.from_config(cfg, device, hf)

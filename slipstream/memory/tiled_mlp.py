@@ -13,7 +13,7 @@ over tiles: equal to the untiled step's up to float32 summation order. Without g
 - `tiled_call(fn, x, tiles, token_dim=0)`: the functional form; `fn(x_tile)` returns a
   tensor or (tensor, *extras); extras (a MoE block's router statistics, sums over tokens)
   are summed over tiles.
-- `apply_mlp_tiling(model, tiles)`: every `model.model.layers[i].mlp` (dense and MoE) tiled
+- `apply_mlp_tiling(model, tiles)`: every `model.decoder_layers()[i].mlp` (dense and MoE) tiled
   in place by swapping its class for a subclass, as checkpointing does: parameter names,
   `state_dict()` and LoRA wrappers stay as they were; `tiles` None or < 2 undoes it.
 - `tile_module(module, tiles, token_dim)`: the same for one module, for the generic
@@ -87,9 +87,17 @@ def tile_module(module: nn.Module, tiles: int | None, token_dim: int = 0) -> nn.
 def apply_mlp_tiling(model: nn.Module, tiles: int | None) -> int:
     """Tile every decoder layer's `mlp` of a slipstream CausalLM (dense or MoE) into `tiles`
     tiles of the packed tokens; None or < 2: untiled. Returns how many MLPs are tiled."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers; tiling needs a CausalLM")
+    if not hasattr(model, "decoder_layers"):
+        raise ValueError(f"{type(model).__name__} has no decoder_layers(); tiling needs a CausalLM")
+    layers = model.decoder_layers()
+    generic = getattr(model.config, "implementation", "native") == "transformers"
+    if generic and tiles is not None and tiles >= 2:
+        raise ValueError(
+            f"MLP tiling of {model.config.model_type} (transformers' modeling code) is not "
+            "supported yet; leave the MLPs untiled."
+        )
+    if generic:
+        return 0
     for layer in layers:
         tile_module(layer.mlp, tiles)
     return len(layers) if tiles is not None and tiles >= 2 else 0
@@ -97,4 +105,4 @@ def apply_mlp_tiling(model: nn.Module, tiles: int | None) -> int:
 
 def mlp_tiles(model: nn.Module) -> int:
     """The tiles the first layer's MLP runs in (1: untiled)."""
-    return getattr(model.model.layers[0].mlp, "_slipstream_tiles", 1)
+    return getattr(getattr(model.decoder_layers()[0], "mlp", None), "_slipstream_tiles", 1)
