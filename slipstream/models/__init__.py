@@ -98,7 +98,10 @@ def family_spec(model_type: str | None, source: str = "config.json", *args) -> F
     return importlib.import_module(f"slipstream.models.{name}").SPEC
 
 
-family_for = family_spec  # the older name: a spec has the module's config_from_hf/build/weights
+def family_for(model_type: str | None, source: str = "config.json", *args):
+    """The family module (its SPEC and helpers such as `layer_windows`) for `model_type`."""
+    name, _ = choose_family(model_type, source, *args)
+    return importlib.import_module(f"slipstream.models.{name}")
 
 
 def weight_map(cfg) -> WeightMap:
