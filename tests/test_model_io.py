@@ -45,8 +45,11 @@ def test_missing_path(tmp_path):
 
 
 def test_unsupported_model_type(checkpoint, tmp_path):
-    path = _copy(checkpoint, tmp_path, edit_config=lambda c: c.update(model_type="bert"))
-    with pytest.raises(ValueError, match=r"model_type 'bert' is not supported; supported: .*llama"):
+    # t5: no native family and no causal LM in transformers (bert would build: BertLMHead)
+    path = _copy(checkpoint, tmp_path, edit_config=lambda c: c.update(model_type="t5"))
+    with pytest.raises(
+        ValueError, match=r"model_type 't5' is not supported: it has no native .*llama"
+    ):
         slipstream.load_model(path)
 
 
