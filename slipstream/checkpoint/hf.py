@@ -303,7 +303,7 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any 
     out.mkdir(parents=True, exist_ok=True)
     from slipstream.peft.qlora import has_4bit_weights
 
-    if model.config.implementation == "transformers":
+    if getattr(model.config, "implementation", "native") == "transformers":
         return _save_generic(model, out)
 
     if has_4bit_weights(model):

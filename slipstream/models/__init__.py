@@ -106,5 +106,6 @@ def family_for(model_type: str | None, source: str = "config.json", *args):
 
 def weight_map(cfg) -> WeightMap:
     """A fresh weight map for a model of `cfg` (one per load or save: it holds load state)."""
-    implementation = "transformers" if cfg.implementation == "transformers" else "auto"
+    generic = getattr(cfg, "implementation", "native") == "transformers"
+    implementation = "transformers" if generic else "auto"
     return family_spec(cfg.model_type, "config.json", implementation).weights(cfg)
