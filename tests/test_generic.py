@@ -23,14 +23,15 @@ LENGTHS = [7, 11, 3]  # 11 > the window of 4 the sliding-window types get
 WINDOWED = {"mistral", "gemma2", "cohere2", "starcoder2", "qwen2", "gemma3_text", "olmo3"}
 # The default suite: one of each kind (dense, sliding window, softcap, MoE, gated delta net,
 # short conv, Mamba2); the rest are @slow.
-FAST = ["llama", "mistral", "gemma2", "mixtral", "qwen3_next", "lfm2", "granite"]
+FAST = ["llama", "mistral", "gemma2", "mixtral", "qwen3_next", "lfm2", "granite", "gemma4_text"]
 SLOW = [
     "qwen3", "olmo2", "olmo3", "smollm3", "granitemoe", "qwen2_moe", "cohere2", "glm4_moe",
     "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "falcon_h1", "nemotron_h",
     "ernie4_5_moe", "minimax_m2", "starcoder2", "phi", "stablelm", "qwen2", "phi3",
-    "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v3",
+    "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v3", "gemma4_text_moe",
 ]  # fmt: skip
 TYPES = FAST + [pytest.param(t, marks=pytest.mark.slow) for t in SLOW]
+LAYERS = {"gemma4_text": 4, "gemma4_text_moe": 4}  # 2 of them reuse the first 2's K/V
 
 
 def _reference(model_type: str, seed: int = 0):
@@ -38,7 +39,7 @@ def _reference(model_type: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     window = {"sliding_window": 4} if model_type in WINDOWED else {}
-    cfg = tiny_config(model_type, **window)
+    cfg = tiny_config(model_type, LAYERS.get(model_type, 2), **window)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
 
 

@@ -65,10 +65,50 @@ PER_TYPE: dict[str, dict[str, Any]] = {
 }
 
 
+def gemma4_text(layers: int, moe: bool = False, **overrides: Any) -> dict[str, Any]:
+    """Gemma 4's per-layer structure at a tiny size: sliding/full alternating (last full),
+    full layers with their own head dim and KV heads (k = v there), per-layer inputs,
+    the last half of the layers reusing earlier layers' K/V with double-wide MLPs."""
+    kinds = ["sliding_attention", "full_attention"] * layers
+    sizes = {
+        "layer_types": kinds[: layers - 1] + ["full_attention"],
+        "sliding_window": 4,
+        "global_head_dim": 16,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "vocab_size_per_layer_input": TINY["vocab_size"],
+        "hidden_size_per_layer_input": 8,
+        "num_kv_shared_layers": layers // 2 if layers > 2 else 0,
+        "use_double_wide_mlp": True,
+        "final_logit_softcapping": 30.0,
+    }
+    if moe:  # 26B-A4B: a dense MLP beside the experts in every layer, no per-layer inputs,
+        # no K/V sharing (transformers 5.24 cannot run sharing without per-layer inputs)
+        sizes.update(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                     moe_intermediate_size=16, hidden_size_per_layer_input=0,
+                     num_kv_shared_layers=0, use_double_wide_mlp=False)  # fmt: skip
+    return {**sizes, **overrides}
+
+
+# Configs whose __post_init__ derives per-layer structure from the sizes (Gemma 4's
+# per_layer_config from layer_types and global_head_dim): built from them, not shrunk after.
+BUILT: dict[str, Any] = {
+    "gemma4_text": gemma4_text,
+    "gemma4_text_moe": lambda layers, **o: gemma4_text(layers, moe=True, **o),
+}
+
+
 def tiny_config(model_type: str, layers: int = 2, **overrides: Any):
-    """transformers' config for `model_type`, shrunk (TINY), `layers` decoder layers."""
+    """transformers' config for `model_type`, shrunk (TINY), `layers` decoder layers.
+    `gemma4_text_moe` is gemma4_text with its MoE block."""
     from transformers import AutoConfig
 
+    if model_type in BUILT:
+        base = AutoConfig.for_model(model_type.removesuffix("_moe"))
+        sizes = {k: v for k, v in TINY.items() if _has(base, k)}
+        sizes.update(head_dim=TINY["head_dim"], num_hidden_layers=layers)
+        sizes.update(BUILT[model_type](layers, **overrides))
+        return AutoConfig.for_model(base.model_type, **sizes)
     cfg = AutoConfig.for_model(model_type)
     text = cfg.get_text_config()
     sizes = {**TINY, "num_hidden_layers": layers, **PER_TYPE.get(model_type, {}), **overrides}
