@@ -31,6 +31,13 @@ EXTRA = {
 # The image+text gemma3 builds its language model from text_config: the tiny sizes go there
 # (at the top level they were ignored, and the published 4B text model was built: 150 s, 13 GB).
 EXTRA["gemma3"] = {"text_config": {**common.TINY, **EXTRA["gemma3_text"]}}
+# Qwen3.5: a DeltaNet layer and an attention layer, small linear-attention heads.
+QWEN35 = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+          "shared_expert_intermediate_size": 32}  # fmt: skip
+for kind in ("qwen3_5", "qwen3_5_moe"):
+    EXTRA[f"{kind}_text"] = QWEN35
+    EXTRA[kind] = {"text_config": {**common.TINY, **QWEN35, "model_type": f"{kind}_text"}}
 
 
 def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:

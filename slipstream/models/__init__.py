@@ -27,6 +27,10 @@ FAMILIES: dict[str, str] = {
     "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # Gemma3ForConditionalGeneration: its text model
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",  # Qwen3_5ForConditionalGeneration: its text model
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
 }
 
 

@@ -1,0 +1,148 @@
+"""Gated DeltaNet ops (slipstream/ops/gated_delta.py) against plain references: a per-token
+recurrence written out here, transformers' own torch chunked rule and F.conv1d, each run one
+sequence at a time, on packed batches whose sequences are longer than a chunk (and shorter,
+and of one token), forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.ops.gated_delta import (
+    causal_conv,
+    chunk_gated_delta,
+    conv_step,
+    conv_tail_index,
+    delta_step,
+    l2norm,
+)
+from slipstream.ops.packing import SeqInfo
+
+LENGTHS = [13, 1, 21, 8, 5]  # chunks of 4: 4, 1, 6, 2, 2 of them
+H, K, V = 3, 5, 6
+
+
+def _inputs(T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
+    v = torch.randn(T, H, V, generator=g)
+    decay = -F.softplus(torch.randn(T, H, generator=g))  # log decay <= 0
+    beta = torch.rand(T, H, generator=g)
+    return [x.requires_grad_() for x in (q, k, v, decay, beta)]
+
+
+def recurrence(q, k, v, g, beta, lengths, reset=True):
+    """S_t = e^g S + beta k (v - e^g S^T k)^T, o_t = S_t^T q, token by token; `reset=False`
+    carries S from one packed sequence into the next (the leak slipstream must not have)."""
+    q, k = l2norm(q) * K**-0.5, l2norm(k)
+    outs, finals, S, t = [], [], torch.zeros(H, K, V), 0
+    for n in lengths:
+        S = torch.zeros(H, K, V) if reset else S
+        for _ in range(n):
+            S = S * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+            S = S + k[t][:, :, None] * delta[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
+            t += 1
+        finals.append(S)
+    return torch.stack(outs), torch.stack(finals)
+
+
+def _grads(out, inputs, seed=3):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad((out * w).sum(), inputs)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_chunked_equals_the_recurrence_per_sequence(chunk):
+    seq = SeqInfo.from_lengths(LENGTHS)
+    inputs = _inputs(sum(LENGTHS))
+    o, final = chunk_gated_delta(*inputs, seq, chunk=chunk)
+    o_ref, final_ref = recurrence(*inputs, LENGTHS)
+    assert _rel(o, o_ref) < 1e-5 and _rel(final, final_ref) < 1e-5
+    for got, want in zip(_grads(o, inputs), _grads(o_ref, inputs), strict=True):
+        assert _rel(got, want) < 1e-5
+
+
+def test_the_batch_is_sensitive_to_a_leaked_state():
+    """The batch above would catch a state crossing a boundary: carrying it changes outputs."""
+    inputs = _inputs(sum(LENGTHS))
+    leaked, _ = recurrence(*inputs, LENGTHS, reset=False)
+    o_ref, _ = recurrence(*inputs, LENGTHS)
+    assert _rel(leaked, o_ref) > 1e-2
+
+
+def test_chunked_equals_transformers_torch_rule():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    seq = SeqInfo.from_lengths(LENGTHS)
+    inputs = _inputs(sum(LENGTHS), seed=1)
+    o, final = chunk_gated_delta(*inputs, seq, chunk=4)
+    ref, ref_final = [], []
+    for part in zip(*(x.split(LENGTHS) for x in inputs), strict=True):
+        out, state = torch_chunk_gated_delta_rule(
+            *(x[None] for x in part), chunk_size=4, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        ref.append(out[0])
+        ref_final.append(state[0])
+    o_ref = torch.cat(ref)
+    assert _rel(o, o_ref) < 1e-5 and _rel(final, torch.stack(ref_final)) < 1e-5
+    for got, want in zip(_grads(o, inputs), _grads(o_ref, inputs), strict=True):
+        assert _rel(got, want) < 1e-5
+
+
+def test_decode_steps_continue_the_prefill_state():
+    """Prefill's final states, then one token at a time by `delta_step`, equal the
+    recurrence over the longer sequences."""
+    lengths = [9, 3]
+    steps = 4
+    inputs = [x.detach() for x in _inputs(sum(lengths) + 2 * steps, seed=2)]
+    longer = [n + steps for n in lengths]
+    o_ref, _ = recurrence(*inputs, longer)
+    firsts = [torch.cat([p[:n] for p, n in zip(x.split(longer), lengths, strict=True)])
+              for x in inputs]  # fmt: skip
+    _, S = chunk_gated_delta(*firsts, SeqInfo.from_lengths(lengths), chunk=4)
+    for j in range(steps):
+        rows = [sum(longer[:b]) + lengths[b] + j for b in range(2)]
+        o, S = delta_step(*(x[rows] for x in inputs), S)
+        assert _rel(o, o_ref[rows]) < 1e-5
+
+
+def test_conv_restarts_at_every_sequence():
+    C, W = 7, 4
+    seq = SeqInfo.from_lengths(LENGTHS)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(LENGTHS), C, generator=g, requires_grad=True)
+    w = torch.randn(C, 1, W, generator=g, requires_grad=True)
+    y = causal_conv(x, w[:, 0], seq)
+    ref = torch.cat(
+        [
+            F.conv1d(p.T[None], w, padding=W - 1, groups=C)[0, :, : p.shape[0]].T
+            for p in x.split(LENGTHS)
+        ]  # fmt: skip
+    )
+    assert _rel(y, ref) < 1e-6
+    for got, want in zip(_grads(y, [x, w]), _grads(ref, [x, w]), strict=True):
+        assert _rel(got, want) < 1e-6
+
+
+def test_conv_state_then_steps_equal_the_full_conv():
+    C, W, lengths, steps = 5, 4, [2, 6], 3
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(C, W, generator=g)
+    longer = [n + steps for n in lengths]
+    x = torch.randn(sum(longer), C, generator=g)
+    full = causal_conv(x, w, SeqInfo.from_lengths(longer))
+    first = torch.cat([p[:n] for p, n in zip(x.split(longer), lengths, strict=True)])
+    tail = conv_tail_index(SeqInfo.from_lengths(lengths), W - 1)
+    state = torch.cat([first, first.new_zeros(1, C)])[tail].transpose(1, 2)  # (N, C, J)
+    for j in range(steps):
+        rows = [sum(longer[:b]) + lengths[b] + j for b in range(2)]
+        y, state = conv_step(x[rows], state, w)
+        assert _rel(y, full[rows]) < 1e-6
