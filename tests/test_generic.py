@@ -333,14 +333,6 @@ def test_greedy_generation_equals_transformers_generate(tmp_path, quiet, model_t
         assert list(row.token_ids) == want.tolist()
 
 
-def test_generation_refuses_stateful_layers_in_one_line(tmp_path, quiet):
-    from slipstream.generation import engine
-
-    _, ours = _pair(tmp_path, "qwen3_next")
-    with pytest.raises(ValueError, match="layers.0.linear_attn is not softmax attention"):
-        engine.run(ours, [[5, 9]], max_new_tokens=2, sampling=engine.Sampling(0.0, 1.0, 0))
-
-
 @pytest.mark.slow
 def test_a_dpo_run_on_a_generic_model(tmp_path, quiet):
     """Two DPO steps (reference = the base, adapters disabled) on OLMo 2 through the trainer:

@@ -267,3 +267,21 @@ def assert_same_adapter(got_dir, want_dir, *, atol: float, rtol: float) -> None:
     got = load_file(got_dir / "adapter_model.safetensors")
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=atol, rtol=rtol)
+
+
+def test_a_generic_model_repeats_the_native_run(straight, tiny, tmp_path):
+    """The same run on transformers' modeling code (`model.implementation: transformers`, the
+    generic family: docs/generic.md): the same rollouts from our KV-cache engine (rewards,
+    lengths), losses and adapter as the native family's."""
+    out, _ = straight
+    raw = grpo_config(tiny, tmp_path / "generic")
+    raw["model"]["implementation"] = "transformers"
+    assert train(config_from_dict(raw))["status"] == "completed"
+    want = [r for r in lines(out) if "loss" in r]
+    got = [r for r in lines(tmp_path / "generic") if "loss" in r]
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        for key in ("reward", "completions/mean_length", "rewards/has_e/std"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert_same_adapter(tmp_path / "generic", out, atol=1e-5, rtol=1e-4)

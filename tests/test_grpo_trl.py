@@ -43,7 +43,9 @@ def setup(tmp_path_factory):
             processing_class=AutoTokenizer.from_pretrained(root),
         )  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1
-    return trainer, load_model(root, dtype=torch.float32)
+    # native, and the generic family (transformers' modeling code) on the same checkpoint
+    impls = ("native", "transformers")
+    return trainer, {i: load_model(root, dtype=torch.float32, implementation=i) for i in impls}
 
 
 def samples_and_inputs(masked: bool):
@@ -80,8 +82,10 @@ def flat(x_SL, samples):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 @pytest.mark.parametrize("off_policy", [False, True])
-def test_loss_and_gradients_equal_trl(setup, loss_type, off_policy):
-    trainer, model = setup
+@pytest.mark.parametrize("implementation", ["native", "transformers"])
+def test_loss_and_gradients_equal_trl(setup, loss_type, off_policy, implementation):
+    trainer, models = setup
+    model = models[implementation]
     trainer.loss_type, trainer.beta = loss_type, 0.04 if off_policy else 0.0
     samples, inputs = samples_and_inputs(masked=off_policy)
     batch = collate_rollouts(samples, loss_type, MAX_LEN)

@@ -97,8 +97,8 @@ def _trl_kto(root, rows, **config):
     return trainer
 
 
-def _ours(root, **options):
-    model = load_model(str(root / "model"))
+def _ours(root, implementation="native", **options):
+    model = load_model(str(root / "model"), implementation=implementation)
     load_adapter(model, root / "start")
     objective = KTO(**options)
     objective.reference = ReferencePolicy(model, "start")
@@ -122,10 +122,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("kind", "options"), CASES)
-def test_kto_matches_trl(setup, kind, options):
+@pytest.mark.parametrize("implementation", ["native", "transformers"])  # generic: docs/generic.md
+def test_kto_matches_trl(setup, kind, options, implementation):
     rows = ROWS[kind]
     trainer = _trl_kto(setup, rows, **options)
-    model, objective = _ours(setup, **options)
+    model, objective = _ours(setup, implementation, **options)
     examples, report = objective.tokenize(rows, trainer.processing_class)
     examples = _trl_order(examples, rows)
     assert report.kept == len(examples) == len(trainer.train_dataset)

@@ -53,6 +53,9 @@ STANDARD = [
     {"prompt": "We went hiking in the", "chosen": " mountains.", "rejected": " sea with friends."},
 ]
 ROWS = {"conversational": CONVERSATIONAL, "standard": STANDARD}
+# Native, and the generic family (transformers' modeling code: docs/generic.md) on the same
+# checkpoint: both equal TRL.
+IMPLEMENTATIONS = ["native", "transformers"]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +109,8 @@ def _load_peft_weights(model, adapter_dir):
             params[key.replace(".weight", ".default.weight")].copy_(value)
 
 
-def _ours(root, name, reference="start", **options):
-    model = load_model(str(root / "model"))
+def _ours(root, name, reference="start", implementation="native", **options):
+    model = load_model(str(root / "model"), implementation=implementation)
     load_adapter(model, root / "start")
     objective = pair_objective(name, **options)
     if name == "dpo":
@@ -133,7 +136,8 @@ def _check_grads(ours, theirs):
 
 @pytest.mark.parametrize("kind", ["conversational", "standard"])
 @pytest.mark.parametrize("reference", ["start", "base"])
-def test_dpo_matches_trl(setup, kind, reference):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dpo_matches_trl(setup, kind, reference, implementation):
     rows = ROWS[kind]
     trainer = _trl_dpo(setup, rows, reference, beta=0.1)
     tokenizer = trainer.processing_class
@@ -158,7 +162,7 @@ def test_dpo_matches_trl(setup, kind, reference):
     full = trainer.compute_loss(trainer.model, trainer.data_collator(list(trainer.train_dataset)))
     full.backward()
 
-    model, objective = _ours(setup, "dpo", reference, beta=0.1)
+    model, objective = _ours(setup, "dpo", reference, implementation, beta=0.1)
     batch = objective.collate(pairs)
     P = len(pairs)
     ref = objective.reference_logps(batch).view(P, 2)
@@ -214,7 +218,8 @@ def _tokens_batch(pairs, pad_id):
 
 @pytest.mark.parametrize("name", ["orpo", "simpo"])
 @pytest.mark.parametrize("kind", ["conversational", "standard"])
-def test_orpo_simpo_match_trl(setup, name, kind):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_orpo_simpo_match_trl(setup, name, kind, implementation):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -241,7 +246,7 @@ def test_orpo_simpo_match_trl(setup, name, kind):
     loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
     loss.backward()
 
-    model = load_model(str(setup / "model"))
+    model = load_model(str(setup / "model"), implementation=implementation)
     load_adapter(model, setup / "trained")
     objective = pair_objective(name, beta=0.2, simpo_gamma=0.7,
                            label_smoothing=0.1 if name == "simpo" else 0.0)  # fmt: skip

@@ -96,7 +96,8 @@ def noisy(values, seed, scale=0.3):
 
 
 @pytest.mark.parametrize("case", ["on_policy", "off_policy_masked"])
-def test_loss_and_gradients_equal_trl(tmp_path, case):
+@pytest.mark.parametrize("implementation", ["native", "transformers"])  # generic: docs/generic.md
+def test_loss_and_gradients_equal_trl(tmp_path, case, implementation):
     """TRL's `_compute_loss` on fixed completions, advantages and old log-probs: the loss,
     every parameter's gradient and the clip metrics (full fine-tuning, temperature 0.7)."""
     from slipstream.checkpoint.hf import load_model
@@ -105,7 +106,7 @@ def test_loss_and_gradients_equal_trl(tmp_path, case):
 
     off = case != "on_policy"
     trainer = make_trainer(tmp_path, beta=0.0, epsilon=0.2, epsilon_high=0.28)
-    model = load_model(tmp_path, dtype=torch.float32)
+    model = load_model(tmp_path, dtype=torch.float32, implementation=implementation)
     prompts, completions = fixed_completions()
     g = torch.Generator().manual_seed(3)
     adv = torch.randn(len(completions), generator=g)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import slipstream.generation.hf_engine as hf_engine
 from slipstream.generation.cache import Decode, KVCache, Prefill, decode_seq
 from slipstream.generation.packed_linear import packed_linears
 from slipstream.generation.sampling import Sampling, sample
@@ -84,6 +85,13 @@ def run(
     for i, p in enumerate(prompts):
         room = max_new_tokens if max_positions is None else max_positions - len(p)
         rows += [Row(i, len(p), min(max_new_tokens, room)) for _ in range(n)]
+    hf_engine.say_engine(model)
+    if hf_engine.stateful_layers(model):  # transformers' generate: its caches hold the state
+        return hf_engine.run(
+            model, prompts, rows, check=_check, sampling=sampling, stop_ids=stop_ids,
+            find_stop=find_stop, generator=generator, check_every=check_every,
+            on_check=on_check, logprobs=logprobs,
+        )  # fmt: skip
     was_training = model.training
     model.eval()
     try:
