@@ -109,6 +109,41 @@ def test_bad_rows_counted_and_skipped(tiny):
     assert kept[0].chosen == full[0].chosen[:limit] and kept[0].rejected == full[0].rejected
 
 
+def test_overlong_rows_in_the_three_pair_tokenizers(tiny):
+    """data.overlong through data/rows.py's LengthLimit, as each objective had it: a prompt
+    that fills max_tokens is dropped (DPO pairs, reward) or skipped as prompt_too_long
+    (DPO under truncate; KTO always: its KL sequences need the prompt); a reward pair is
+    cut and re-scored (no prompt kept)."""
+    from slipstream.models.score_head import pad_id_of, score_positions
+    from slipstream.objectives.kto_data import tokenize_kto
+    from slipstream.objectives.reward_data import tokenize_reward_pairs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    row = {"prompt": "word " * 40, "chosen": "Yes.", "rejected": "No."}
+    short = {"prompt": "Hi", "chosen": "Yes, " * 30, "rejected": "No."}
+    fits, limit = {"prompt": "Hi", "chosen": "Yes.", "rejected": "No."}, 20
+    outcomes = {}
+    for name, fn in (("pairs", tokenize_pairs), ("kto", tokenize_kto),
+                     ("reward", tokenize_reward_pairs)):  # fmt: skip
+        for mode in ("drop", "truncate"):
+            _, report = fn([row, short, fits], tokenizer, max_tokens=limit, overlong=mode)
+            outcomes[name, mode] = (dict(report.skipped), report.dropped, report.truncated)
+    assert outcomes == {
+        ("pairs", "drop"): ({}, 2, 0),
+        ("pairs", "truncate"): ({"prompt_too_long": 1}, 0, 1),
+        ("kto", "drop"): ({"prompt_too_long": 1}, 1, 0),
+        ("kto", "truncate"): ({"prompt_too_long": 1}, 0, 1),
+        ("reward", "drop"): ({}, 2, 0),
+        ("reward", "truncate"): ({}, 0, 2),
+    }
+    cut, _ = tokenize_reward_pairs([short], tokenizer, max_tokens=limit, overlong="truncate")
+    whole, _ = tokenize_reward_pairs([short], tokenizer, max_tokens=1 << 20)
+    assert cut[0].chosen == whole[0].chosen[:limit]
+    assert [cut[0].chosen_at] == score_positions([cut[0].chosen], pad_id_of(tokenizer))
+    kto, _ = tokenize_kto([short], tokenizer, max_tokens=limit, overlong="truncate")
+    assert len(kto) == 2 and max(len(ex.ids) for ex in kto) == limit  # a pair cut whole
+
+
 def test_sft_data_with_a_preference_objective_is_one_line(tiny):
     with pytest.raises(ValueError, match="train.objective=dpo needs .* no chosen or rejected"):
         check_pair_columns(["messages"], "dpo", "data source 'chats.jsonl'")

@@ -6,7 +6,8 @@ detail)` for a row it cannot use. The loop does what every objective shares: JSO
 unwrapped (`unwrap_row`), skips counted by reason with the first one named, or fatal with
 `strict`, drops and kept examples counted in the `DataReport`. What is particular to an
 objective (its format counts, what it truncated) the encoder writes to the report itself.
-`row_columns` is the one column sniffer.
+`LengthLimit` is the one drop-or-truncate step of examples that keep a prompt (preference
+pairs, KTO rows, reward pairs). `row_columns` is the one column sniffer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 EMPTY = "the dataset is empty (0 rows); check the data path or split."
 
@@ -83,6 +84,42 @@ class Encoded:
     example: Any
     tokens: int
     targets: int = 0
+
+
+class Fits(Protocol):
+    """An example `LengthLimit` judges: one or more sequences that share a prompt."""
+
+    prompt_len: int  # tokens a cut must keep whole (0: none)
+
+    def longest(self) -> int: ...  # its longest sequence's tokens
+    def cut(self, max_tokens: int) -> Fits: ...  # every sequence cut to max_tokens
+    def counts(self) -> tuple[int, int]: ...  # (tokens, target tokens) for the report
+
+
+@dataclass(frozen=True)
+class LengthLimit:
+    """`data.max_tokens` and `data.overlong` ("drop" | "truncate") of examples that keep a
+    prompt: an example whose longest sequence is over the limit is dropped, or cut to it
+    (counted in `report.truncated`) when its prompt leaves room for a completion."""
+
+    max_tokens: int
+    overlong: str = "drop"
+
+    def check_prompt(self, prompt_len: int) -> None:
+        """RowError prompt_too_long when a prompt leaves no room under the limit."""
+        if prompt_len >= self.max_tokens:
+            raise RowError("prompt_too_long", f"prompt fills max_tokens={self.max_tokens}")
+
+    def encoded(self, example: Fits, report: DataReport) -> Encoded:
+        """The row's result for `encode_rows`: the example (cut if it must be) or a drop."""
+        longest = example.longest()
+        if longest > self.max_tokens:
+            if self.overlong == "drop":
+                return Encoded(None, longest)
+            self.check_prompt(example.prompt_len)
+            example = example.cut(self.max_tokens)
+            report.truncated += 1
+        return Encoded(example, *example.counts())
 
 
 def unwrap_row(row: Mapping[str, Any]) -> Mapping[str, Any]:

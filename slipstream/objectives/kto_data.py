@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
-from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
+from slipstream.data.rows import DataReport, LengthLimit, RowError, encode_rows, row_columns
 from slipstream.objectives.pairs import _check_field, common_prefix, parse_pair_row, token_ids
 from slipstream.ops.packing import SeqInfo
 
@@ -51,6 +51,29 @@ class KTOExample:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+@dataclass
+class RowExamples:
+    """One row's examples (a pair's two, or one), judged together by the length limit: a
+    pair with a side over it is cut or dropped whole."""
+
+    examples: list[KTOExample]
+
+    @property
+    def prompt_len(self) -> int:
+        return max(ex.prompt_len for ex in self.examples)
+
+    def longest(self) -> int:
+        return max(len(ex) for ex in self.examples)
+
+    def cut(self, max_tokens: int) -> RowExamples:
+        return RowExamples([KTOExample(ex.ids[:max_tokens], ex.prompt_len, ex.desirable)
+                            for ex in self.examples])  # fmt: skip
+
+    def counts(self) -> tuple[int, int]:
+        tokens = sum(len(ex) for ex in self.examples)
+        return tokens, tokens - sum(ex.prompt_len for ex in self.examples)
 
 
 def check_kto_columns(columns: Sequence[str], source: str = "data") -> bool:
@@ -123,23 +146,16 @@ def tokenize_kto(
     """Rows (a `datasets.Dataset` or list of dicts) to examples, a pair's two in turn; every
     skip counted (a pair with a side over the limit is dropped whole)."""
     paired = check_kto_columns(row_columns(rows))
-    report = DataReport(rows=len(rows))
+    report, limit = DataReport(rows=len(rows)), LengthLimit(max_tokens, overlong)
 
-    def encode(row: Mapping[str, Any], index: int) -> Encoded:
+    def encode(row: Mapping[str, Any], index: int):  # -> rows.Encoded
         row = {k: v for k, v in row.items() if v is not None}
-        out = encode_kto_row(tokenizer, row, paired)
-        longest = max(len(ex) for ex in out)
-        if longest > max_tokens:
-            if any(ex.prompt_len >= max_tokens for ex in out):
-                raise RowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
-            if overlong == "drop":
-                return Encoded(None, longest)
-            out = [KTOExample(ex.ids[:max_tokens], ex.prompt_len, ex.desirable) for ex in out]
-            report.truncated += 1
-        tokens = sum(len(ex) for ex in out)
-        return Encoded(out, tokens, tokens - sum(ex.prompt_len for ex in out))
+        out = RowExamples(encode_kto_row(tokenizer, row, paired))
+        limit.check_prompt(out.prompt_len)  # a KL sequence needs its prompt: even under drop
+        return limit.encoded(out, report)
 
-    examples = [ex for row in encode_rows(rows, encode, report, strict, first_row) for ex in row]
+    rows_out = encode_rows(rows, encode, report, strict, first_row)
+    examples = [ex for row in rows_out for ex in row.examples]
     report.kept = len(examples)  # examples, two a pair
     if not examples:
         raise ValueError(f"no usable KTO examples: {report.summary()}")

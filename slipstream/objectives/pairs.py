@@ -41,7 +41,7 @@ import torch
 
 from slipstream.data.formats import text_content
 from slipstream.data.packed import PackedBuilder, PackedView, PerSpan, packed_field
-from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
+from slipstream.data.rows import DataReport, Encoded, LengthLimit, RowError, encode_rows
 
 PAIR_COLUMNS = ("chosen", "rejected")
 
@@ -58,6 +58,15 @@ class PairExample:
 
     def __len__(self) -> int:
         return len(self.chosen) + len(self.rejected)
+
+    def longest(self) -> int:
+        return max(len(self.chosen), len(self.rejected))
+
+    def cut(self, max_tokens: int) -> PairExample:
+        return PairExample(self.chosen[:max_tokens], self.rejected[:max_tokens], self.prompt_len)
+
+    def counts(self) -> tuple[int, int]:
+        return len(self), len(self) - 2 * self.prompt_len
 
 
 def check_pair_columns(columns: Sequence[str], objective: str, source: str = "data") -> None:
@@ -190,20 +199,11 @@ def tokenize_pairs(
     first_row: int = 0,
 ) -> tuple[list[PairExample], DataReport]:
     """Tokenize preference rows (a `datasets.Dataset` or list of dicts); every skip counted."""
-    report = DataReport(rows=len(rows))
+    report, limit = DataReport(rows=len(rows)), LengthLimit(max_tokens, overlong)
 
     def encode(row: Mapping[str, Any], index: int) -> Encoded:
         row = {k: v for k, v in row.items() if v is not None or k in PAIR_COLUMNS}
-        ex = encode_pair(tokenizer, row)
-        longest = max(len(ex.chosen), len(ex.rejected))
-        if longest > max_tokens:
-            if overlong == "drop":
-                return Encoded(None, longest)
-            if ex.prompt_len >= max_tokens:
-                raise RowError("prompt_too_long", f"prompt fills max_tokens={max_tokens}")
-            ex = PairExample(ex.chosen[:max_tokens], ex.rejected[:max_tokens], ex.prompt_len)
-            report.truncated += 1
-        return Encoded(ex, len(ex), len(ex) - 2 * ex.prompt_len)
+        return limit.encoded(encode_pair(tokenizer, row), report)
 
     examples = encode_rows(rows, encode, report, strict, first_row)
     if not examples:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
-from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns
+from slipstream.data.rows import DataReport, LengthLimit, RowError, encode_rows, row_columns
 from slipstream.models.score_head import pad_id_of, score_positions
 from slipstream.objectives.pairs import check_pair_columns, encode_pair
 
@@ -35,9 +35,22 @@ class RewardPair:
     chosen_at: int
     rejected_at: int
     margin: float = 0.0
+    pad: int | None = None  # the scoring rule's pad id, which a cut sequence is scored by
+
+    prompt_len = 0  # the whole sequence is scored: a cut keeps no prompt whole
 
     def __len__(self) -> int:
         return len(self.chosen) + len(self.rejected)
+
+    def longest(self) -> int:
+        return max(len(self.chosen), len(self.rejected))
+
+    def cut(self, max_tokens: int) -> RewardPair:
+        return scored_pair(self.chosen[:max_tokens], self.rejected[:max_tokens], self.pad,
+                           self.margin)  # fmt: skip
+
+    def counts(self) -> tuple[int, int]:
+        return len(self), 2  # the targets: two scores
 
 
 def _margin(row: Any) -> float:
@@ -56,7 +69,7 @@ def encode_reward_pair(tokenizer: Any, row: Any, pad_token_id: int | None) -> Re
 
 def scored_pair(chosen: list[int], rejected: list[int], pad: int | None, margin: float):
     (chosen_at,), (rejected_at,) = score_positions([chosen], pad), score_positions([rejected], pad)
-    return RewardPair(chosen, rejected, chosen_at, rejected_at, margin)
+    return RewardPair(chosen, rejected, chosen_at, rejected_at, margin, pad)
 
 
 def tokenize_reward_pairs(
@@ -71,18 +84,11 @@ def tokenize_reward_pairs(
     """Rows (a `datasets.Dataset` or list of dicts) to pairs; every skip counted."""
     check_pair_columns(row_columns(rows), "reward")
     pad = pad_id_of(tokenizer)
-    report = DataReport(rows=len(rows))
+    report, limit = DataReport(rows=len(rows)), LengthLimit(max_tokens, overlong)
 
-    def encode(row: Mapping[str, Any], index: int) -> Encoded:
+    def encode(row: Mapping[str, Any], index: int):  # -> rows.Encoded
         row = {k: v for k, v in row.items() if v is not None or k in ("chosen", "rejected")}
-        ex = encode_reward_pair(tokenizer, row, pad)
-        longest = max(len(ex.chosen), len(ex.rejected))
-        if longest > max_tokens:
-            if overlong == "drop":
-                return Encoded(None, longest)
-            ex = scored_pair(ex.chosen[:max_tokens], ex.rejected[:max_tokens], pad, ex.margin)
-            report.truncated += 1
-        return Encoded(ex, len(ex), 2)  # the targets: two scores
+        return limit.encoded(encode_reward_pair(tokenizer, row, pad), report)
 
     examples = encode_rows(rows, encode, report, strict, first_row)
     if not examples:
