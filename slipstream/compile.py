@@ -10,7 +10,11 @@ What stays out:
   flex is compiled on its own with its host-built BlockMask, and tracing the `SeqInfo` would
   guard on every batch's lengths;
 - MoE blocks: routing sizes depend on the data and the grouped GEMM picks its kernel by
-  pointer alignment.
+  pointer alignment (a transformers-built MoE block is known by its stacked expert weights);
+- token mixers that are not softmax attention (transformers' Gated DeltaNet, Mamba, short
+  convolutions on the generic path): they run once per packed sequence, split by the
+  batch's host lengths, which a graph would guard on; a layer without `self_attn` compiles
+  its MLP alone.
 Dynamic shapes because the packed length changes every batch.
 
 Off by default (`train.compile`): whether it wins on a GPU is for the GPU suite to measure.
@@ -32,8 +36,17 @@ def apply_compile(model: nn.Module, backend: str | None = None, dynamic: bool = 
     """Compile every decoder layer's `self_attn` and dense `mlp` in place; how many."""
     count = 0
     for layer in model.decoder_layers():
-        blocks = [layer.self_attn] + ([] if isinstance(layer.mlp, MoEBlock) else [layer.mlp])
-        for block in blocks:
+        for block in compiled_blocks(layer):
             block.compile(backend=backend or BACKEND, dynamic=dynamic)
             count += 1
     return count
+
+
+def compiled_blocks(layer: nn.Module) -> list[nn.Module]:
+    """The layer's softmax-attention block and its MLP unless that is a MoE block (ours, or
+    transformers': stacked (E, ., .) expert weights)."""
+    blocks = [getattr(layer, "self_attn", None)]
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None and not isinstance(mlp, MoEBlock):
+        blocks.append(None if any(p.ndim == 3 for p in mlp.parameters()) else mlp)
+    return [b for b in blocks if b is not None]
