@@ -11,6 +11,13 @@ family passed. LoRA/DoRA adapters (unmerged) and NF4 bases sit in the projection
 Layers are told apart by call order: a forward calls `attend` once per layer, first to last,
 so the step counts its calls (checked at the end of the forward by `finish`).
 
+Recurrent layers (Gated DeltaNet, Qwen3.5) hold no keys: their cache is a state per row, the
+last J inputs of the causal conv and the (H, K, V) delta-rule state, counted apart by their
+calls of `ops.gated_delta.causal_conv` (the step's `recurrent.conv`, then `.delta` for the
+same layer).
+Prefill runs the packed training path and keeps each sequence's final state; decode steps it
+one token (generation/recurrent.py).
+
 Layout: the cache of layer l is `k[l], v[l]` of shape (B, G, S, Dh): B rows (one per live
 sequence), S = longest prompt + max_new_tokens positions. Rows are compacted when sequences
 finish (`keep_rows`), so finished sequences stop costing attention work.
@@ -24,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slipstream.generation.recurrent import RecurrentDecode, RecurrentPrefill, RecurrentState
+from slipstream.models.gated_deltanet import recurrent_state_shapes
 from slipstream.ops.attention import _sdpa_per_sequence as sdpa_per_sequence
 from slipstream.ops.attention import attend_packed
 from slipstream.ops.packing import SeqInfo
@@ -39,11 +48,12 @@ class KVCache:
     """Keys and values of every layer for B rows of up to S positions each."""
 
     def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device, states=()) -> None:  # fmt: skip
         shape = (rows, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        self.state = RecurrentState(rows, states, dtype, device)
 
     @classmethod
     def for_model(cls, model, rows: int, max_len: int) -> KVCache:
@@ -55,8 +65,9 @@ class KVCache:
                 "slipstream's KV cache holds no state for it yet; generate with transformers."
             )
         emb = model.input_embeddings().weight  # activations (hence q, k, v) take its dtype
-        return cls(cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads,
-                   cfg.head_dim, emb.dtype, emb.device)  # fmt: skip
+        states = recurrent_state_shapes(model)  # Gated DeltaNet layers: no keys, a state
+        return cls(cfg.num_hidden_layers - len(states), rows, max_len, cfg.num_key_value_heads,
+                   cfg.head_dim, emb.dtype, emb.device, states)  # fmt: skip
 
     @property
     def rows(self) -> int:
@@ -66,6 +77,7 @@ class KVCache:
         """Keep (and reorder/repeat) the rows `rows_B` (int64 on the cache's device)."""
         self.k = [k.index_select(0, rows_B) for k in self.k]
         self.v = [v.index_select(0, rows_B) for v in self.v]
+        self.state.keep_rows(rows_B)
 
 
 class _Step:
@@ -73,6 +85,7 @@ class _Step:
 
     def __init__(self, cache: KVCache) -> None:
         self.cache, self.layer = cache, 0
+        self.recurrent = RecurrentDecode(cache.state)  # Prefill sets its own
 
     def next_layer(self) -> int:
         layer, self.layer = self.layer, self.layer + 1
@@ -83,6 +96,7 @@ class _Step:
             f"KV cache: the forward called attend {self.layer} times for "
             f"{len(self.cache.k)} layers (each layer must call it once)"
         )
+        self.recurrent.finish()
 
 
 class Prefill(_Step):
@@ -97,6 +111,8 @@ class Prefill(_Step):
         self.seq = seq
         row_T = [r for r, n in zip(rows, seq.lengths, strict=True) for _ in range(n)]
         self.row_T = torch.tensor(row_T).to(seq.device, non_blocking=True)
+        rows_N = torch.tensor(rows).to(seq.device, non_blocking=True)
+        self.recurrent = RecurrentPrefill(cache.state, seq, rows_N)
         self.pos_T = seq.position_ids
 
     def attend(self, q_THD, k_TGD, v_TGD, window=None, sinks=None, scale=None):

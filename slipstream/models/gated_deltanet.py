@@ -84,3 +84,14 @@ class GatedDeltaNet(nn.Module):
         o_THV = gated_delta_rule(q_THK, k_THK, v_THV, g_TH, beta_TH, seq)
         z_THV = self.in_proj_z(x_TD).view(T, H, self.head_v_dim)
         return self.out_proj(self.norm(o_THV, z_THV).reshape(T, -1))
+
+
+def recurrent_state_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int, int]]]:
+    """One row's (conv, recurrent) state shape for each Gated DeltaNet layer, in layer order:
+    what a generation cache holds beside the attention layers' keys and values."""
+    return [
+        m.state_shapes()
+        for layer in model.decoder_layers()
+        for m in layer.modules()
+        if isinstance(m, GatedDeltaNet)
+    ]

@@ -62,7 +62,7 @@ def causal_conv(x_TC: torch.Tensor, weight_CW: torch.Tensor, seq: SeqInfo) -> to
     activation -> (T, C). weight_CW is nn.Conv1d's (C, 1, W) weight squeezed. When generating
     (`seq.kv` set) the step object keeps each sequence's last J inputs as its conv state."""
     if seq.kv is not None:
-        return seq.kv.conv(x_TC, weight_CW)
+        return seq.kv.recurrent.conv(x_TC, weight_CW)
     return conv_packed(x_TC, weight_CW, seq)
 
 
@@ -164,9 +164,9 @@ def gated_delta_rule(
     as transformers computes them. Key heads shared by several value heads (Hk < H) come in
     repeated. When generating, `seq.kv` runs it with the cached state."""
     if seq.kv is not None:
-        return seq.kv.delta(q_THK, k_THK, v_THV, g_TH, beta_TH)
+        return seq.kv.recurrent.delta(q_THK, k_THK, v_THV, g_TH, beta_TH)
     if q_THK.is_cuda and fla_chunk_rule() is not None:
-        return _fla(q_THK, k_THK, v_THV, g_TH, beta_TH, seq)[0]
+        return fla_gated_delta(q_THK, k_THK, v_THV, g_TH, beta_TH, seq)[0]
     return chunk_gated_delta(q_THK, k_THK, v_THV, g_TH, beta_TH, seq)[0]
 
 
@@ -243,7 +243,7 @@ def fla_chunk_rule():
     return chunk_gated_delta_rule if "cu_seqlens" in params else None
 
 
-def _fla(q_THK, k_THK, v_THV, g_TH, beta_TH, seq: SeqInfo, final: bool = False):
+def fla_gated_delta(q_THK, k_THK, v_THV, g_TH, beta_TH, seq: SeqInfo, final: bool = False):
     """fla over the packed batch as one row with cu_seqlens -> (o_THV, (N, H, K, V) | None)."""
     rule = fla_chunk_rule()
     o, state = rule(
