@@ -10,7 +10,9 @@ built model:
 - checkpointing/offload: `decoder_layers()` are transformers' `GradientCheckpointingLayer`s,
   which `memory.offload.apply_checkpointing` wraps like native layers;
 - loss: the final hidden states of the labelled positions only, then our chunked
-  cross-entropy on the head's weight, with the model's logit scaling and softcapping.
+  cross-entropy on the head's weight, with the model's logit scaling and softcapping; plus,
+  where transformers' class computes one, its routers' load-balancing loss (its own
+  `load_balancing_loss_func` over the router logits it records), as `CausalLM.loss` adds ours.
 
 The module tree is transformers' ForCausalLM's own (its children are ours), so parameter
 names, LoRA module paths and PEFT adapter keys are transformers' and peft loads them as is.
@@ -24,6 +26,7 @@ Shapes: T tokens (flat, packed), D hidden, V vocab.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -44,6 +47,7 @@ from slipstream.models.generic_hooks import (
     register,
     scope_layers,
 )
+from slipstream.models.moe_block import aux_loss_coef_from_hf
 from slipstream.models.rope import RopeConfig
 from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
@@ -177,11 +181,18 @@ def head_transform(config) -> tuple[float, float | None]:
     return scale, getattr(text, "final_logit_softcapping", None) or None
 
 
+def router_loss(hf_model: nn.Module) -> tuple | None:
+    """(transformers' `load_balancing_loss_func` of the model's class, num_experts, top-k), or
+    None where its ForCausalLM adds no router loss (glm4_moe, deepseek_v3: bias balancing)."""
+    fn = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+    if fn is None or not hasattr(hf_model, "router_aux_loss_coef"):
+        return None
+    return fn, hf_model.num_experts, hf_model.num_experts_per_tok
+
+
 class GenericCausalLM(nn.Module):
     """transformers' causal LM under the slipstream model contract (models/contract.py):
     `model(input_ids, seq)` -> logits (T, V), `loss(...)` as `CausalLM.loss`."""
-
-    router_aux_loss_coef = 0.0  # transformers' routers' aux loss is not added (see docs)
 
     def __init__(self, cfg: ModelConfig, hf_model: nn.Module) -> None:
         super().__init__()
@@ -195,6 +206,9 @@ class GenericCausalLM(nn.Module):
         scope_layers(self._layers)
         self.per_sequence = per_sequence_mixers(self._layers)
         self.logit_scale, self.softcap = head_transform(hf_model.config)
+        self.router_loss = router_loss(hf_model)
+        text = hf_model.config.get_text_config().to_dict()
+        self.router_aux_loss_coef = aux_loss_coef_from_hf(text) if self.router_loss else 0.0
         hf_model.config.use_cache = False
         self.train()  # from_pretrained leaves eval mode; native models start in train mode
 
@@ -225,12 +239,14 @@ class GenericCausalLM(nn.Module):
 
     def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         """(T, D) after the final norm: transformers' backbone over the packed stream."""
+        return self._backbone_out(input_ids_T, seq)[0][0]
+
+    def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, **kwargs):
         _check_batch(input_ids_T, seq)
-        out = self._backbone(
+        return self._backbone(
             input_ids=input_ids_T[None], position_ids=seq.position_ids[None], use_cache=False,
-            **{SEQ_KWARG: seq},
+            **{SEQ_KWARG: seq}, **kwargs,
         )  # fmt: skip
-        return out[0][0]
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         logits_TV = F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
@@ -250,9 +266,13 @@ class GenericCausalLM(nn.Module):
         return_parts: bool = False,
         temperature: float = 1.0,
     ):
-        """As `CausalLM.loss` (no router aux loss)."""
+        """As `CausalLM.loss`, the router loss transformers' (`router_loss`)."""
         check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
-        h_TD = self.hidden_states(input_ids_T, seq)
+        aux_on = self.router_loss is not None and self.router_aux_loss_coef > 0
+        aux_on = aux_on and reduction != "none"
+        router = {"output_router_logits": True} if aux_on else {}
+        out = self._backbone_out(input_ids_T, seq, **router)
+        h_TD = out[0][0]
         if self.logit_scale != 1.0:
             h_TD = h_TD * self.logit_scale
         loss = head_loss(
@@ -261,7 +281,15 @@ class GenericCausalLM(nn.Module):
         )  # fmt: skip
         if reduction == "none":
             return loss
-        return (loss, {"lm_loss": loss.detach()}) if return_parts else loss
+        parts = {"lm_loss": loss.detach()}
+        if aux_on:  # one batch of the T packed tokens, as transformers' unpadded batch
+            fn, num_experts, k = self.router_loss
+            aux = fn(out.router_logits, num_experts, k, None)
+            if reduction == "sum":
+                aux = aux * (labels_T != -100).sum()  # N on the device: no sync
+            loss = loss + self.router_aux_loss_coef * aux
+            parts["aux_loss"] = aux.detach()
+        return (loss, parts) if return_parts else loss
 
 
 def save(model: GenericCausalLM, out) -> None:

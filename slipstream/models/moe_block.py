@@ -73,9 +73,15 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [m for m in model.modules() if isinstance(m, MoEBlock)]
 
 
+def has_router_loss(model: nn.Module) -> bool:
+    """Whether `model.loss` can add a router load-balancing loss: native MoE blocks, or a
+    generic model whose transformers class computes one (`generic.router_loss`)."""
+    return bool(moe_blocks(model)) or getattr(model, "router_loss", None) is not None
+
+
 def router_aux_loss_coef(model: nn.Module) -> float:
     """The coefficient `model.loss` adds the auxiliary loss with (0.0: off, or no MoE layer)."""
-    return float(getattr(model, "router_aux_loss_coef", 0.0)) if moe_blocks(model) else 0.0
+    return float(getattr(model, "router_aux_loss_coef", 0.0)) if has_router_loss(model) else 0.0
 
 
 def set_router_aux_loss_coef(model: nn.Module, coef: float) -> None:

@@ -19,7 +19,7 @@ from slipstream import distributed as dist
 from slipstream.checkpoint.atomic import atomic_write_files
 from slipstream.config import RunConfig
 from slipstream.device import choose_dtype
-from slipstream.models.moe_block import moe_blocks, set_router_aux_loss_coef
+from slipstream.models.moe_block import has_router_loss, set_router_aux_loss_coef
 
 
 @dataclass
@@ -133,8 +133,11 @@ def build_model(
     dist.print_main(f"slipstream: model loaded in {time.perf_counter() - start:.0f} s")
     dist.print_main(f"slipstream: model {model.load_path}")
     if cfg.train.router_aux_loss_coef is not None:
-        if cfg.train.router_aux_loss_coef > 0 and not moe_blocks(model):
-            raise ValueError("train.router_aux_loss_coef > 0 needs a MoE model; unset it")
+        if cfg.train.router_aux_loss_coef > 0 and not has_router_loss(model):
+            raise ValueError(
+                "train.router_aux_loss_coef > 0 needs a MoE model whose routers have a "
+                f"load-balancing loss ({model.config.model_type} has none); unset it"
+            )
         set_router_aux_loss_coef(model, cfg.train.router_aux_loss_coef)
     new_ids = grow_vocab(model, tokenizer, cfg.model.add_tokens)
     if cfg.model.adapter is not None:
