@@ -211,3 +211,34 @@ def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path):
     back = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved").float().eval()
     for name, p in ref.state_dict().items():
         torch.testing.assert_close(back.state_dict()[name], p, msg=name)
+
+
+def test_default_lora_targets_reach_the_deltanet_layers(checkpoint):
+    _, path = checkpoint
+    model = apply_lora(load_model(path), rank=2, alpha=4)
+    wrapped = {n for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    for name in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"):
+        assert f"model.layers.0.{name}" in wrapped, name
+    assert "model.layers.1.self_attn.q_proj" in wrapped
+
+
+def test_offload_and_recompute_give_the_gradients_of_none(checkpoint):
+    """Each hybrid layer under the offload Function (forced on CPU) and under recompute."""
+    from slipstream.memory.offload import apply_checkpointing
+
+    _, path = checkpoint
+    model = _randomised_lora(path)
+    ids, labels, seq = _batch()
+
+    def grads(mode):
+        apply_checkpointing(model, mode, force=True)
+        model.zero_grad()
+        model.loss(ids, labels, seq, reduction="sum").backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads("none")
+    for mode in ("offload", "recompute"):
+        got = grads(mode)
+        assert set(got) == set(plain)
+        for name in plain:
+            torch.testing.assert_close(got[name], plain[name], rtol=1e-5, atol=1e-6)

@@ -34,6 +34,9 @@ from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, parameter_targ
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_DEFAULT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's names
+# Added to the defaults where Gated DeltaNet layers (Qwen3.5) hold them: 3 of its 4 layers have
+# no q/k/v/o_proj, and without these their token mixers would get no adapter.
+DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
 def check_hyperparameters(
@@ -96,7 +99,8 @@ def apply_lora(
 
     targets: short module names (`q_proj`, ...) or "all-linear" (every nn.Linear but lm_head,
     and on a MoE model the experts' `gate_up_proj` and `down_proj`); None: the attention and
-    MLP projections (DEFAULT_TARGETS, or FUSED_DEFAULT_TARGETS on a fused-projection model).
+    MLP projections (DEFAULT_TARGETS, or FUSED_DEFAULT_TARGETS on a fused-projection model),
+    plus a Gated DeltaNet's projections (DELTANET_TARGETS) where the model has them.
     use_dora: DoRA's trained magnitude per output row on each wrapped linear (peft/dora.py).
     """
     if targets is None and getattr(model.config, "implementation", "") == "transformers":
@@ -119,8 +123,10 @@ def apply_lora(
                 if attr != "lm_head" and not any(m in f".{name}" for m in mixers)
             }  # fmt: skip
     if targets is None:
-        fused = "qkv_proj" in linear_names(model)
-        targets = FUSED_DEFAULT_TARGETS if fused else DEFAULT_TARGETS
+        present = linear_names(model)
+        targets = FUSED_DEFAULT_TARGETS if "qkv_proj" in present else DEFAULT_TARGETS
+        if "in_proj_qkv" in present:
+            targets = targets + DELTANET_TARGETS
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
     has_experts = bool(moe_blocks(model))
