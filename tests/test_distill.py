@@ -4,7 +4,9 @@
 states; the loss and every student gradient (full fine-tuning of a tiny Llama, a wider and
 deeper teacher of the same vocabulary, float32), the entropy metric; packed == one sequence
 at a time; grad-accum equal to one batch; no host sync; on-policy batches (lmbda) seeded and
-made of the student's own completions; a different vocabulary is a one-line error."""
+made of the student's own completions, whose loss equals GKD's on the same samples; an NF4
+teacher against GKD with transformers' bitsandbytes 4-bit teacher; a different vocabulary is
+a one-line error."""
 
 from __future__ import annotations
 
@@ -111,6 +113,50 @@ def test_loss_and_gradients_equal_trl(models, beta, temperature):
     torch.testing.assert_close(metrics["entropy"], entropy, atol=1e-5, rtol=1e-5)
 
 
+def test_an_nf4_teacher_equals_trl_with_a_bitsandbytes_teacher(models, tmp_path):
+    """distill.teacher_quantization=nf4 through load_teacher: the loss and every student
+    gradient equal TRL's GKD loss with the same teacher loaded by transformers in 4 bits
+    (BitsAndBytesConfig nf4, double quantisation: what TRL's teacher_model_init_kwargs
+    give it), float32 compute."""
+    pytest.importorskip("bitsandbytes")
+    from test_qlora import _hf_nf4
+
+    from slipstream.objectives.distill import load_teacher
+    from slipstream.objectives.distill_config import DistillSection
+    from slipstream.peft.qlora import has_4bit_weights
+
+    hf_s, _, student, _ = models
+    # dims in the 64-wide NF4 blocks (and bitsandbytes' 32-wide packed CPU layout)
+    make_hf_model("llama", seed=2, **{**TEACHER, "hidden_size": 64, "intermediate_size": 128,
+                  "num_attention_heads": 4}).save_pretrained(tmp_path)  # fmt: skip
+    options = DistillSection.from_options(
+        "Distill", dict(teacher=str(tmp_path), teacher_quantization="nf4")
+    )
+    teacher = load_teacher(options, "float32", torch.device("cpu"), prepack=False)
+    assert has_4bit_weights(teacher) and not any(p.requires_grad for p in teacher.parameters())
+    hf_t = _hf_nf4(tmp_path)
+    exs = examples(4)
+    ids, labels, mask = padded(exs)
+    hf_s.zero_grad(set_to_none=True)
+    student.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        t_logits = hf_t(input_ids=ids, attention_mask=mask).logits
+    want = trl_gkd.GKDTrainer.generalized_jsd_loss(
+        hf_s(input_ids=ids, attention_mask=mask).logits[:, :-1], t_logits[:, :-1],
+        labels=labels[:, 1:], beta=0.5,
+    )  # fmt: skip
+    want.backward()
+    objective = Distill(teacher=teacher, beta=0.5, lmbda=0.0)
+    batch = objective.collate(exs)
+    loss, _ = objective.micro_batch_loss(student, batch)
+    (loss / objective.weight(batch)).backward()
+    torch.testing.assert_close(loss / objective.weight(batch), want, atol=1e-6, rtol=1e-5)
+    expected, got = grads(hf_s), grads(student)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_packed_equals_one_at_a_time_and_grad_accum(models):
     _, _, student, teacher = models
     objective = Distill(teacher=teacher, beta=0.3, temperature=0.9, lmbda=0.0)
@@ -166,6 +212,68 @@ def test_on_policy_batches_are_the_students_seeded_completions(models):
         assert objective.length(ex) == max(len(ex.input_ids), p + 5)
     off = Distill(teacher=teacher, lmbda=0.0)
     assert objective.online and not off.online  # lmbda 0: no rollout, the loop's own eval
+
+
+def test_on_policy_loss_equals_trl_gkd_on_the_same_samples(models):
+    """An on-policy micro-batch (lmbda 1) against TRL's GKD on the same student samples:
+    `GKDTrainer.generate_on_policy_outputs` given our completions as its model's `generate`
+    output (prompt, then the completion right-padded with the eos, as transformers pads a
+    finished row) masks and labels them (the first eos scored, what follows not, the prompt
+    not), and `generalized_jsd_loss` over the two transformers models gives our loss and
+    student gradients. One example's completion ends at a stop token. Per example, as TRL's
+    forward takes no position ids (left-padded prompts would shift its positions)."""
+    from types import SimpleNamespace
+
+    hf_s, hf_t, student, teacher = models
+    objective = Distill(teacher=teacher, beta=0.5, temperature=1.0, lmbda=1.0,
+                        max_completion_tokens=6)  # fmt: skip
+    exs = examples(5)
+    window = [objective.collate(exs)]
+
+    class Stops(Tok):
+        def __init__(self, eos):
+            self.eos_token_id = eos
+
+    ctx = HookContext(student, Stops(V + 7), torch.device("cpu"), seed=3, rank=0, world_size=1)
+    free, _ = objective.rollout(ctx, 1, window)  # no stop token: 6 tokens each
+    first = free[0].examples[0]
+    eos = first.input_ids[last_span_start(exs[0].trainable) + 2]  # example 0's 3rd token
+    ctx = HookContext(student, Stops(eos), torch.device("cpu"), seed=3, rank=0, world_size=1)
+    (batch,), _ = objective.rollout(ctx, 1, window)
+    ended = batch.examples[0]
+    assert ended.input_ids[-1] == eos and sum(ended.trainable) <= 3  # stopped, eos a target
+    hf_s.zero_grad(set_to_none=True)
+    student.zero_grad(set_to_none=True)
+    total, want = 0, 0.0
+    for ex, new in zip(exs, batch.examples, strict=True):
+        p = last_span_start(ex.trainable)
+        completion = new.input_ids[p:] + [eos] * (6 - len(new.input_ids[p:]))
+        sequences = torch.tensor([new.input_ids[:p] + completion])
+        inputs = {"prompts": torch.tensor([ex.input_ids[:p]]),
+                  "prompt_attention_mask": torch.ones(1, p, dtype=torch.long)}  # fmt: skip
+        generator = SimpleNamespace(generate=lambda s=sequences, **kw: SimpleNamespace(sequences=s))
+        ids, mask, labels = trl_gkd.GKDTrainer.generate_on_policy_outputs(
+            generator, inputs, SimpleNamespace(eos_token_id=eos)
+        )
+        n = int((labels[:, 1:] != -100).sum())
+        assert n == sum(new.trainable)
+        s_logits = hf_s(input_ids=ids, attention_mask=mask).logits
+        with torch.no_grad():
+            t_logits = hf_t(input_ids=ids, attention_mask=mask).logits
+        loss = trl_gkd.GKDTrainer.generalized_jsd_loss(
+            s_logits[:, :-1], t_logits[:, :-1], labels=labels[:, 1:], beta=0.5
+        )
+        (loss * n).backward()
+        total, want = total + n, want + loss.detach() * n
+    loss, _ = objective.micro_batch_loss(student, batch)
+    (loss / objective.weight(batch)).backward()
+    assert objective.weight(batch) == total
+    for p in hf_s.parameters():
+        p.grad /= total
+    torch.testing.assert_close(loss.detach(), want, atol=1e-5, rtol=1e-5)
+    expected, got = grads(hf_s), grads(student)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_a_different_vocabulary_is_one_line(models, tmp_path):

@@ -73,3 +73,29 @@ def test_config_errors(tiny, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="exceeds train.tokens_per_batch"):
         config_from_dict(rloo_config(tiny, tmp_path, max_completion_tokens=400))
     assert json.dumps(rloo_config(tiny, tmp_path))  # plain data
+
+
+def test_two_ranks_match_one_process(tiny, tmp_path):  # noqa: F811
+    """2 gloo ranks (DDP, grad_accum 1 each) repeat one process with grad_accum 2, with a KL
+    penalty and normalised advantages: each prompt batch samples with the seed of its place
+    in the global window, each group's leave-one-out baselines stay within a rank, the
+    advantages are normalised over every rank's completions and the normaliser (completions)
+    is summed over ranks; the held-out reward and the sample replies match too."""
+    from helpers.torchrun import check, train_job
+    from test_grpo_train import assert_same_grpo_run, two_rank_config
+
+    def config(out):
+        raw = two_rank_config(tiny, out)
+        raw["train"]["objective"] = "rloo"
+        g = raw.pop("grpo")
+        raw["rloo"] = {k: g[k] for k in ("num_generations", "max_prompt_tokens",
+                                         "max_completion_tokens", "rewards")}  # fmt: skip
+        raw["rloo"].update(beta=0.05, normalize_advantages=True)
+        return raw
+
+    train(config_from_dict(config(tmp_path / "single")))
+    raw = config(tmp_path / "ddp")
+    raw["train"].update(grad_accum=1, parallel="ddp", dist_timeout_s=60)
+    check(train_job(raw, tmp_path, timeout=240))
+    assert_same_grpo_run(tmp_path / "ddp", tmp_path / "single", ("loss", "kl", "reward"))
+    assert_same_adapter(tmp_path / "ddp", tmp_path / "single", atol=2e-5, rtol=1e-4)
