@@ -171,6 +171,9 @@ class TrainSection(_Section):
     parallel: Literal["auto", "none", "ddp", "fsdp"] = _opt(
         "auto", "under torchrun; auto: ddp for LoRA/QLoRA, fsdp (FSDP2) for full"
     )
+    sequence_parallel: int = _opt(
+        1, "under torchrun: split each micro-batch's tokens over N ranks (Ulysses)", ge=1
+    )
     dist_timeout_s: float = _opt(1800.0, "seconds a rank waits in a collective", gt=0)
     router_aux_loss_coef: float | None = _opt(
         None, "MoE load-balancing loss weight; null: the checkpoint's own; 0: off", ge=0

@@ -87,6 +87,7 @@ class PlanInputs:
     tiles: str | int  # configured: auto | off | N
     prepack: bool
     world: int
+    sequence_parallel: int = 1  # ranks a micro-batch's tokens are split over
 
     @classmethod
     def from_config(cls, cfg, device: str, hf: dict[str, Any]) -> PlanInputs:
@@ -102,7 +103,7 @@ class PlanInputs:
             use_dora=lo.use_dora, optimizer=t.optimizer, tokens=t.tokens_per_batch,
             mode=t.activation_checkpointing, tiles=t.mlp_tiles,
             prepack=t.prepack and not t.compile and t.parallel != "fsdp",
-            world=int(os.environ.get("WORLD_SIZE", "1")),
+            world=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=t.sequence_parallel,
         )  # fmt: skip
 
 
@@ -156,9 +157,11 @@ _PROBES: dict[tuple, dict] = {}
 
 def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
     """The peak of one training step over one sequence of `tokens` with checkpointing `mode`
-    and `tiles` MLP tiles."""
+    and `tiles` MLP tiles. Under sequence parallelism a rank holds 1/N of the tokens (and,
+    in attention, all of them for 1/N of the heads: the same bytes)."""
     import torch
 
+    whole, tokens = tokens, -(-tokens // inp.sequence_parallel)
     r = _probe(inp, tokens, mode, tiles)
     act = torch.empty((), dtype=inp.dtype).element_size()
     checkpoint = tokens * r.hidden * act  # one layer's input
@@ -215,7 +218,7 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
         c["process (libraries, heap)"] = _rss_now()
     if inp.device == "cpu" and mode == "offload":
         notes.append("on CPU offload means recompute (nothing to move to)")
-    return Plan(inp.device, tokens, mode, tiles, c, None, host, notes)
+    return Plan(inp.device, whole, mode, tiles, c, None, host, notes)
 
 
 def _cpu_upcasts(dtype) -> bool:

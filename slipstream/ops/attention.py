@@ -63,12 +63,17 @@ def attend(
     included). sinks: (H,) per-head sink logits. softcap: scores become
     softcap * tanh(scores / softcap) (Gemma 2). When generating, `seq.kv` (a step of
     slipstream.generation.cache) stores this layer's keys and values and attends over its
-    cache, with the same window, sinks and scale the family passed.
+    cache, with the same window, sinks and scale the family passed. Under sequence
+    parallelism `seq.shard` (ops/ulysses.py) attends over the whole batch by all-to-alls.
     """
     if seq.kv is not None:
         if softcap is not None:
             raise ValueError("attention softcapping is not supported by the KV-cache engine")
         return seq.kv.attend(q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale)
+    if seq.shard is not None:  # sequence parallelism: ops/ulysses.py
+        return seq.shard.attend(
+            q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale, softcap=softcap
+        )
     return attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
 
 

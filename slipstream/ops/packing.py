@@ -42,6 +42,9 @@ class SeqInfo:
     # Generation only: a KV-cache step (slipstream.generation.cache) that `attend` hands each
     # layer's keys and values to. None in training.
     kv: Any = field(default=None, repr=False)
+    # Sequence parallelism only: this rank's shard of a batch split over ranks
+    # (slipstream.ops.ulysses.SeqShard), which `attend` hands each layer's q, k, v to.
+    shard: Any = field(default=None, repr=False)
 
     @property
     def total_tokens(self) -> int:
@@ -57,12 +60,18 @@ class SeqInfo:
 
     @classmethod
     def from_lengths(
-        cls, lengths: Sequence[int], device: torch.device | str | None = None
+        cls,
+        lengths: Sequence[int],
+        device: torch.device | str | None = None,
+        starts: Sequence[int] | None = None,
     ) -> SeqInfo:
-        """Build all metadata on the host from `lengths`; one non-blocking copy to `device`."""
+        """Build all metadata on the host from `lengths`; one non-blocking copy to `device`.
+        `starts`: the position of each sequence's first token (default 0; a sequence-parallel
+        shard holds pieces of sequences that start further in)."""
         lengths = tuple(_check_lengths(lengths))
         cu = [0, *itertools.accumulate(lengths)]
-        positions = [p for n in lengths for p in range(n)]
+        starts = [0] * len(lengths) if starts is None else starts
+        positions = [s + p for n, s in zip(lengths, starts, strict=True) for p in range(n)]
         seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
         # One host buffer: [cu_seqlens (N+1) | positions (T) | seq_ids (T)].
         host = torch.tensor([*cu, *positions, *seq_ids], dtype=torch.int32)
@@ -89,8 +98,11 @@ class SeqInfo:
         if torch.device(device) == self.device:
             return self
         if self._host is None:  # not built on the host: rebuild from the host lengths
+            assert self.shard is None, "a shard's SeqInfo is built on the host"
             return SeqInfo.from_lengths(self.lengths, device)
-        return SeqInfo._from_host(self.lengths, self._host, device)
+        moved = SeqInfo._from_host(self.lengths, self._host, device)
+        moved.shard = None if self.shard is None else self.shard.to(device)
+        return moved
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the derived structure under `key`, building it on first use only."""

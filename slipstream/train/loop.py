@@ -11,7 +11,9 @@ update as one full batch, and long and short examples weigh per token, not per b
 Under torchrun (docs/distributed.md) each global step's `grad_accum * world` micro-batches
 are drawn from the same seeded stream and rank r takes every world-th, and the divisor is
 the weight of the whole step over all ranks (one all-reduce on the device): N ranks make
-the update one process makes with the same global batch. Logging, the progress bar and
+the update one process makes with the same global batch. Under `train.sequence_parallel`
+"rank" and "world" are the data-parallel ones, and each rank keeps its shard of every
+micro-batch (sequence_parallel.py). Logging, the progress bar and
 saving happen on rank 0.
 
 Host syncs: none inside the micro-batch loop; the meter reads once per *logged* step and
@@ -80,7 +82,7 @@ def run_steps(run: Run) -> dict[str, Any]:
             if (step - 1) % repeat == 0 or not step_batches:
                 mine = [next(stream) for _ in range(run.per_step)]
                 step_batches = [collate_batch(run, run.data.train, run.data.train_batches[i])
-                                for i in mine[dist.rank() :: dist.world_size()]]  # fmt: skip
+                                for i in mine[run.mesh.dp_rank :: run.mesh.dp_size]]  # fmt: skip
             batches = step_batches
             if objective.online:  # generation (GRPO): prompt batches -> sequences
                 batches, rollout = objective.rollout(run.context, step, step_batches)
@@ -181,7 +183,7 @@ def evaluate(run: Run) -> dict[str, float]:
     model.eval()
     total, metrics, count = torch.zeros((), device=device), {}, 0
     batches = run.data.eval_batches
-    for i, counted in eval_share(len(batches), dist.rank(), dist.world_size()):
+    for i, counted in eval_share(len(batches), run.mesh.dp_rank, run.mesh.dp_size):
         batch = collate_batch(run, run.data.eval, batches[i])
         loss, parts = objective.micro_batch_loss(model, batch)
         for name, value in parts.items():  # every rank the same names, counted or not
@@ -219,5 +221,6 @@ def micro_batch_stream(num_batches: int, seed: int, start: int = 0) -> Iterator[
 
 
 def collate_batch(run: Run, examples: list[Any], indices: list[int]) -> Any:
-    """The objective's batch of `examples[indices]`, on the run's device."""
-    return run.objective.collate([examples[i] for i in indices]).to(run.device)
+    """The objective's batch of `examples[indices]` (this rank's shard of it under sequence
+    parallelism), on the run's device."""
+    return run.mesh.shard(run.objective.collate([examples[i] for i in indices])).to(run.device)

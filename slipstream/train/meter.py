@@ -64,7 +64,14 @@ class StepMeter:
         self.weight += weight
         self.tokens += sum(b.input_ids.numel() for b in micro_batches)
         if self.step_flops:  # from the host lengths: no device work
-            self.flops += sum(self.step_flops(b.seq.lengths) for b in micro_batches)
+            self.flops += sum(self._flops(b.seq) for b in micro_batches)
+
+    def _flops(self, seq: Any) -> float:
+        """A micro-batch's FLOPs; a sequence-parallel shard's: its 1/N of the whole batch's
+        (its pieces' lengths would drop the attention across the cut)."""
+        if seq.shard is None:
+            return self.step_flops(seq.lengths)
+        return self.step_flops(seq.shard.full.lengths) / len(seq.shard.sizes)
 
     def add_rollout(self, rollout: dict[str, Any]) -> None:
         """An objective's rollout (GRPO): `{"stats": {name: value}, "seconds": s}`, host

@@ -21,6 +21,7 @@ from slipstream.config import RunConfig, check_output_dir
 from slipstream.device import resolve_device
 from slipstream.objectives import build_objective
 from slipstream.objectives.base import HookContext, Objective
+from slipstream.sequence_parallel import Mesh, build_mesh, check_model, check_objective
 from slipstream.sources import check_adapter_dir
 from slipstream.train.eval_tasks import EvalTasks
 from slipstream.train.fixed_settings import check_resume_settings, say_adapter_overrides
@@ -70,7 +71,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     total_steps: int
-    per_step: int  # micro-batches in one optimizer step, all ranks together
+    per_step: int  # micro-batches in one optimizer step, all data-parallel ranks together
+    mesh: Mesh = field(default_factory=Mesh)  # data x sequence-parallel ranks
     report_to: list[str] = field(default_factory=list)
     start_step: int = 0
     tokens: int = 0  # tokens trained before this process started (resume)
@@ -110,6 +112,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
 
         plan = plan_for_run(cfg, device.type, say=dist.print_main)
     world = dist.world_size()
+    mesh = build_mesh(t.sequence_parallel)  # data x sequence ranks (sequence_parallel.py)
     mode = dist.resolve_mode(
         t.parallel, method=cfg.train.finetune, quantization=cfg.model.quantization,
         optimizer=t.optimizer,
@@ -117,6 +120,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     seed_everything(t.seed)  # the same seed on every rank: identical initial weights
 
     objective = build_objective(cfg)
+    check_objective(objective, mesh.sp_size)
     if cfg.model.adapter is not None:  # a wrong path is said before the data and weights load
         say_adapter_overrides(cfg, check_adapter_dir(cfg.model.adapter, "model.adapter"))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
@@ -129,11 +133,13 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
 
         dist.print_main(f"slipstream: {set_threads(t.threads)} on the CPU")
     model = model if model is not None else build_model(cfg, device, tokenizer, plan)
-    context = HookContext(model, tokenizer, device, t.seed, dist.rank(), world)
+    check_model(model, mesh.sp_size)
+    context = HookContext(model, tokenizer, device, t.seed, mesh.dp_rank, mesh.dp_size)
     objective.attach(context, data)  # e.g. DPO's reference policy, before any sharding
     ddp = dist.wrap_model(model, mode, device)
     if world > 1:
-        dist.print_main(f"slipstream: {world} processes, parallel={mode}, device={device.type}")
+        sp = f", sequence_parallel={mesh.sp_size}" if mesh.sp_size > 1 else ""
+        dist.print_main(f"slipstream: {world} processes, parallel={mode}{sp}, device={device.type}")
         torch.manual_seed(t.seed + dist.rank())  # but each rank its own dropout draws
 
     optimizer = build_optimizer(
@@ -142,7 +148,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         lora_plus_ratio=cfg.lora.plus_ratio if cfg.train.finetune == "lora" else None,
     )  # fmt: skip
     epochs = t.epochs if t.epochs is not None else 1.0
-    per_step = t.grad_accum * world
+    per_step = t.grad_accum * mesh.dp_size  # a sequence-parallel group shares its batches
     repeat = objective.iterations  # GRPO: steps per draw of prompts
     total_steps = t.steps or math.ceil(epochs * len(data.train_batches) / per_step) * repeat
     warmup = warmup_steps_for(t.warmup_steps, total_steps)
@@ -156,7 +162,7 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
         optimizer, schedule=t.schedule, warmup_steps=warmup, total_steps=total_steps
     )
     run = Run(cfg, out, device, objective, context, tokenizer, data, model, ddp, optimizer,
-              scheduler, total_steps, per_step, report_to)  # fmt: skip
+              scheduler, total_steps, per_step, mesh, report_to)  # fmt: skip
     run.guard = NonFiniteGuard(optimizer, device, limit=t.skip_nonfinite)
     run.eval_tasks = eval_tasks
     if checkpoint is not None:

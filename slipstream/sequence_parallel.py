@@ -1,0 +1,118 @@
+"""`train.sequence_parallel: N` under torchrun: the device mesh (data x sequence), the checks of
+what can be split, and each micro-batch cut into this rank's shard on the host.
+
+Mesh: world = D x N ranks; rank = d * N + s, so a sequence-parallel group is N consecutive
+ranks (one node's GPUs, where the all-to-alls are cheap). The N ranks of a group draw the
+same micro-batches (the data-parallel rank d picks them) and each keeps a contiguous
+1/N of its tokens (ops/ulysses.py: the split, and attention by two all-to-alls).
+
+Why the step equals one process's: each rank's summed loss covers its own tokens, so the
+objective's weight (labelled tokens) and the loss add up over the group as over data-parallel
+ranks; the trainer already sums both over all ranks. DDP (or FSDP2) spans all D x N ranks
+and averages gradients over them; each rank's gradient is of the whole group's loss
+(attention's backward all-to-alls bring the other ranks' share to its tokens), so with the
+loop's `loss * world / weight` their mean is the one-process gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from slipstream import distributed as dist
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place: data-parallel rank and size, sequence-parallel rank and size."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+    sp_group: Any = None
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's shard of a host-built batch (the batch itself without sequence
+        parallelism)."""
+        return batch if self.sp_size == 1 else shard_batch(batch, self)
+
+
+def build_mesh(sequence_parallel: int) -> Mesh:
+    """The run's mesh, once, after `distributed.init` (every rank builds every group)."""
+    world, rank = dist.world_size(), dist.rank()
+    n = sequence_parallel
+    if n == 1:
+        return Mesh(dp_rank=rank, dp_size=world)
+    if world % n:
+        raise ValueError(
+            f"train.sequence_parallel={n} needs torchrun with a multiple of {n} processes; "
+            f"this run has {world}"
+        )
+    groups = [tdist.new_group(list(range(d * n, (d + 1) * n))) for d in range(world // n)]
+    return Mesh(rank // n, world // n, rank % n, n, groups[rank // n])
+
+
+def check_model(model: Any, n: int) -> None:
+    """A one-line error for a model the split cannot serve (before any step)."""
+    if n == 1:
+        return
+    cfg = model.config
+    key = f"train.sequence_parallel={n}"
+    if getattr(cfg, "implementation", "native") != "native":
+        raise ValueError(
+            f"{key}: {cfg.model_type} runs through transformers' modeling code, whose layers "
+            "(recurrent or linear attention among them) cannot be split by sequence; "
+            "sequence parallelism needs a native family (docs/generic.md)"
+        )
+    H, G = cfg.num_attention_heads, cfg.num_key_value_heads
+    if H % n or G % n:
+        raise ValueError(
+            f"{key} must divide the attention heads ({H} query, {G} key/value heads of "
+            f"{cfg.model_type}): each rank attends over 1/{n} of them; use a divisor of {G}"
+        )
+    if model.rope_switch_length is not None:
+        raise ValueError(
+            f"{key}: {cfg.model_type}'s RoPE picks its tables from each whole sequence's length "
+            "(long RoPE), which a shard does not see; train without sequence parallelism"
+        )
+    if getattr(model, "router_aux_loss_coef", 0.0) > 0:
+        raise ValueError(
+            f"{key}: the MoE load-balancing loss needs every token's routing at once; "
+            "set train.router_aux_loss_coef=0"
+        )
+
+
+def check_objective(objective: Any, n: int) -> None:
+    if n > 1 and objective.name != "sft":
+        raise ValueError(
+            f"train.sequence_parallel={n} supports train.objective=sft (a loss summed per "
+            f"token); {objective.name}'s per-sequence sums would span ranks"
+        )
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """A host-built SFT batch (`PackedBatch`) cut to this rank's tokens: input ids, labels and
+    the scored positions in its slice, its `SeqInfo` with the whole batch's for attention."""
+    from slipstream.data.packed import PackedBatch
+    from slipstream.ops.ulysses import shard_seq
+
+    if batch.fields:
+        raise ValueError(
+            f"train.sequence_parallel={mesh.sp_size} cannot split a batch with "
+            f"{', '.join(sorted(batch.fields))} (image features); train text only"
+        )
+    seq, part = shard_seq(batch.seq, mesh.sp_rank, mesh.sp_size, mesh.sp_group)
+    labels = batch.labels[part].clone()
+    positions = batch.label_positions
+    if positions is not None:
+        cut = torch.searchsorted(positions, positions.new_tensor([part.start, part.stop]))
+        lo, hi = cut.tolist()  # a host tensor: no device sync
+        positions = positions[lo:hi] - part.start
+        num_labels = hi - lo
+    else:
+        num_labels = int((labels != -100).sum())
+    return PackedBatch(batch.input_ids[part].clone(), labels, seq, num_labels, positions)
