@@ -68,6 +68,14 @@ def check_model(model: Any, n: int) -> None:
             "(recurrent or linear attention among them) cannot be split by sequence; "
             "sequence parallelism needs a native family (docs/generic.md)"
         )
+    recurrent = _non_attention_layers(model)
+    if recurrent:
+        kinds = ", ".join(sorted({k for _, k in recurrent}))
+        raise ValueError(
+            f"{key}: {len(recurrent)} layers of {cfg.model_type} ({kinds}, first layer "
+            f"{recurrent[0][0]}) carry a state from token to token, which a rank cannot start "
+            "without the previous shard's; sequence parallelism splits attention layers only"
+        )
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
     if H % n or G % n:
         raise ValueError(
@@ -84,6 +92,21 @@ def check_model(model: Any, n: int) -> None:
             f"{key}: the MoE load-balancing loss needs every token's routing at once; "
             "set train.router_aux_loss_coef=0"
         )
+
+
+def _non_attention_layers(model: Any) -> list[tuple[int, str]]:
+    """(index, token mixer class) of each decoder layer that mixes tokens by other means
+    than softmax attention (Qwen3.5's Gated DeltaNet: an exact split would need a scan of
+    the state across ranks, not built)."""
+    from slipstream.models.common import Attention
+
+    out = []
+    for i, layer in enumerate(model.decoder_layers()):
+        if not isinstance(getattr(layer, "self_attn", None), Attention):
+            skip = ("input_layernorm", "post_attention_layernorm", "mlp")
+            mixers = [type(m).__name__ for n, m in layer.named_children() if n not in skip]
+            out.append((i, "/".join(mixers) or type(layer).__name__))
+    return out
 
 
 def check_objective(objective: Any, n: int) -> None:
