@@ -190,6 +190,9 @@ def _load(
     name, why = choose_family(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     family = family_spec(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     if family.load is not None:
+        quantize = qlora.check_quantize(quantize, hf, source)
+        if quantize:
+            qlora.require_bitsandbytes()
         model = family.load(hf, folder, dtype, device, quantize, source, trust_remote_code)
         model.load_path = f"{hf.get('model_type')}: {why}"
         model.checkpoint_path = Path(source)

@@ -47,6 +47,7 @@ from slipstream.models.generic_hooks import (
     register,
     scope_layers,
 )
+from slipstream.models.generic_nf4 import forget_quantization, nf4_config, one_cpu_path
 from slipstream.models.moe_block import aux_loss_coef_from_hf
 from slipstream.models.rope import RopeConfig
 from slipstream.models.spec import FamilySpec
@@ -110,14 +111,10 @@ def build(cfg: ModelConfig, trust_remote_code: bool = False) -> GenericCausalLM:
 
 def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -> GenericCausalLM:
     """transformers' `from_pretrained` (its loader streams the tensors into a meta-built
-    model and applies its checkpoint conversions), wrapped."""
+    model and applies its checkpoint conversions), wrapped. quantize="nf4" (already checked
+    by the caller, peft.qlora.check_quantize): QLoRA's NF4 bases (models/generic_nf4.py)."""
     from transformers import AutoModelForCausalLM
 
-    if quantize:
-        raise ValueError(
-            f"{source}: model.quantization={quantize} is not supported yet on a model built by "
-            f"transformers' modeling code ({hf.get('model_type')!r}); use none (LoRA/full)."
-        )
     if folder is None:
         raise ValueError(
             f"{source}: a GGUF file of model_type {hf.get('model_type')!r} has no native "
@@ -129,13 +126,17 @@ def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        kwargs = _implementations(config)
+        if quantize == "nf4" and getattr(config, "quantization_config", None) is None:
+            kwargs["quantization_config"] = nf4_config(config, dtype, decoder_of, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), config=config, dtype=dtype, device_map={"": device},
-            trust_remote_code=trust_remote_code, **_implementations(config),
+            trust_remote_code=trust_remote_code, **kwargs,
         )  # fmt: skip
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{source}: transformers cannot load this checkpoint: {first}") from None
+    one_cpu_path(model)
     return GenericCausalLM(cfg, model)
 
 
@@ -294,6 +295,7 @@ class GenericCausalLM(nn.Module):
 
 def save(model: GenericCausalLM, out) -> None:
     """transformers' `save_pretrained` (its inverse conversions: the checkpoint layout)."""
+    forget_quantization(model.hf)  # dequantised for a merged export: full precision
     model.hf.config.use_cache = True
     try:
         model.hf.save_pretrained(str(out))
