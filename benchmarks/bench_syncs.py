@@ -28,6 +28,15 @@ EXTRA = {
     # both layer types (two RoPEs), a window shorter than the sequences
     "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
 }
+# Gemma 4: full layers of their own head dim with k = v, per-layer inputs (a small table:
+# the default is 262144 x L*256), the last 2 of 4 layers reusing the first 2's K/V.
+EXTRA["gemma4_text"] = {
+    "num_hidden_layers": 4, "sliding_window": 8, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True, "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16, "final_logit_softcapping": 30.0,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}  # fmt: skip
 # The image+text gemma3 builds its language model from text_config: the tiny sizes go there
 # (at the top level they were ignored, and the published 4B text model was built: 150 s, 13 GB).
 EXTRA["gemma3"] = {"text_config": {**common.TINY, **EXTRA["gemma3_text"]}}
@@ -38,6 +47,7 @@ QWEN35 = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key
 for kind in ("qwen3_5", "qwen3_5_moe"):
     EXTRA[f"{kind}_text"] = QWEN35
     EXTRA[kind] = {"text_config": {**common.TINY, **QWEN35, "model_type": f"{kind}_text"}}
+EXTRA["gemma4"] = {"text_config": {**common.TINY, **EXTRA["gemma4_text"]}}
 
 
 def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:

@@ -317,7 +317,7 @@ def test_standard_experts_run_slipstreams_one_pass_routing(tmp_path, quiet, monk
     assert len(plans) == 2  # one per MoE layer
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gemma4_text"])
 def test_greedy_generation_equals_transformers_generate(tmp_path, quiet, model_type):
     """The KV-cache engine runs transformers' softmax-attention layers through the same
     attention function (the cache hook rides on the SeqInfo)."""

@@ -20,7 +20,10 @@ one token (generation/recurrent.py).
 
 Layout: the cache of layer l is `k[l], v[l]` of shape (B, G, S, Dh): B rows (one per live
 sequence), S = longest prompt + max_new_tokens positions. Rows are compacted when sequences
-finish (`keep_rows`), so finished sequences stop costing attention work.
+finish (`keep_rows`), so finished sequences stop costing attention work. G and Dh are the
+layer's own (`model.kv_layout()`: Gemma 4's full layers have other head dims than its sliding
+ones); a layer that reuses an earlier layer's keys and values (Gemma 4's K/V sharing) has no
+cache of its own (`k[l]` None) and reads that layer's (`source[l]`), writing nothing.
 
 Shapes: T packed prompt tokens, B rows, H query heads, G kv heads, R = H // G, S cache
 positions, L keys attended this step, Dh head dim.
@@ -47,11 +50,19 @@ def _round_up(n: int, k: int) -> int:
 class KVCache:
     """Keys and values of every layer for B rows of up to S positions each."""
 
-    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
+    def __init__(self, layout: list[tuple[int, int, int]], rows: int, max_len: int,
                  dtype: torch.dtype, device: torch.device, states=()) -> None:  # fmt: skip
-        shape = (rows, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        """`layout`: (kv heads, head dim, cache layer) of each attention layer, in call order
+        (`model.kv_layout()`); `states`: the recurrent layers' (recurrent_state_shapes)."""
+        self.source = [src for _, _, src in layout]
+        assert all(self.source[s] == s for s in self.source), self.source
+
+        def zeros(i: int, G: int, Dh: int) -> torch.Tensor | None:
+            shape = (rows, G, max_len, Dh)
+            return torch.zeros(shape, dtype=dtype, device=device) if self.source[i] == i else None
+
+        self.k = [zeros(i, G, Dh) for i, (G, Dh, _) in enumerate(layout)]
+        self.v = [zeros(i, G, Dh) for i, (G, Dh, _) in enumerate(layout)]
         self.max_len = max_len
         self.state = RecurrentState(rows, states, dtype, device)
 
@@ -66,8 +77,10 @@ class KVCache:
             )
         emb = model.input_embeddings().weight  # activations (hence q, k, v) take its dtype
         states = recurrent_state_shapes(model)  # Gated DeltaNet layers: no keys, a state
-        return cls(cfg.num_hidden_layers - len(states), rows, max_len, cfg.num_key_value_heads,
-                   cfg.head_dim, emb.dtype, emb.device, states)  # fmt: skip
+        layout = model.kv_layout()
+        if states:  # uniform shapes: one entry per attention layer, in call order
+            layout = [(G, Dh, i) for i, (G, Dh, _) in enumerate(layout[len(states) :])]
+        return cls(layout, rows, max_len, emb.dtype, emb.device, states)
 
     @property
     def rows(self) -> int:
@@ -75,8 +88,8 @@ class KVCache:
 
     def keep_rows(self, rows_B: torch.Tensor) -> None:
         """Keep (and reorder/repeat) the rows `rows_B` (int64 on the cache's device)."""
-        self.k = [k.index_select(0, rows_B) for k in self.k]
-        self.v = [v.index_select(0, rows_B) for v in self.v]
+        self.k = [k if k is None else k.index_select(0, rows_B) for k in self.k]
+        self.v = [v if v is None else v.index_select(0, rows_B) for v in self.v]
         self.state.keep_rows(rows_B)
 
 
@@ -117,9 +130,10 @@ class Prefill(_Step):
 
     def attend(self, q_THD, k_TGD, v_TGD, window=None, sinks=None, scale=None):
         layer = self.next_layer()
-        # Integer (row, position) indices: an index_put_ with no host sync.
-        self.cache.k[layer][self.row_T, :, self.pos_T] = k_TGD
-        self.cache.v[layer][self.row_T, :, self.pos_T] = v_TGD
+        if self.cache.source[layer] == layer:  # else k, v are the source layer's, cached
+            # Integer (row, position) indices: an index_put_ with no host sync.
+            self.cache.k[layer][self.row_T, :, self.pos_T] = k_TGD
+            self.cache.v[layer][self.row_T, :, self.pos_T] = v_TGD
         if not q_THD.is_cuda and sinks is None and self.seq.num_seqs > 1:
             # CPU: one causal SDPA call per prompt. The packed path's dense (T, T) mask would
             # score every prompt against every other: at 16 prompts of 16..128 tokens that is
@@ -159,9 +173,11 @@ class Decode(_Step):
 
     def attend(self, q_BHD, k_BGD, v_BGD, window=None, sinks=None, scale=None):
         layer = self.next_layer()
-        K, V = self.cache.k[layer], self.cache.v[layer]
-        K[self.rows_B, :, self.pos_B] = k_BGD
-        V[self.rows_B, :, self.pos_B] = v_BGD
+        source = self.cache.source[layer]
+        K, V = self.cache.k[source], self.cache.v[source]
+        if source == layer:  # else the source layer wrote this step's k, v already
+            K[self.rows_B, :, self.pos_B] = k_BGD
+            V[self.rows_B, :, self.pos_B] = v_BGD
         lo, mask_B11L = self.mask(window)
         K_BGLD, V_BGLD = K[:, :, lo : self.hi], V[:, :, lo : self.hi]
         B, H, Dh = q_BHD.shape

@@ -31,6 +31,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_5": "qwen3_5",  # Qwen3_5ForConditionalGeneration: its text model
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_5_moe": "qwen3_5_moe",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",  # Gemma4ForConditionalGeneration: its text model
 }
 
 

@@ -204,8 +204,13 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope_config, self.head_dim = cfg.rope, cfg.head_dim
+        self.num_kv_heads = cfg.num_key_value_heads
         inv_freq, self.rope_scale = rope_inv_freq(cfg.rope, cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        """(kv heads, head dim, cache layer) of each layer: every layer its own cache."""
+        return [(self.num_kv_heads, self.head_dim, i) for i in range(len(self.layers))]
 
     def reset_rope(self) -> None:
         """Recompute the RoPE buffers (after `to_empty` left them uninitialised)."""
@@ -258,7 +263,11 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, backbone: Backbone, router_aux_loss_coef: float = 0.0
+        self,
+        cfg: ModelConfig,
+        backbone: Backbone,
+        router_aux_loss_coef: float = 0.0,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -266,6 +275,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.router_aux_loss_coef = router_aux_loss_coef
+        self.logit_softcap = logit_softcap  # logits -> c * tanh(logits / c) (Gemma 4)
 
     # The model contract (models/contract.py): what code outside models/ may use.
     def decoder_layers(self) -> nn.ModuleList:
@@ -286,12 +296,19 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        """(kv heads, head dim, layer whose cache it reads) of each layer, for the KV cache."""
+        return self.model.kv_layout()
+
     def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         _check_batch(input_ids_T, seq)
         return self.model(input_ids_T, seq)[0]
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        return F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+        logits_TV = F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+        if self.logit_softcap is not None:
+            logits_TV = torch.tanh(logits_TV / self.logit_softcap) * self.logit_softcap
+        return logits_TV
 
     def loss(
         self,
@@ -322,8 +339,9 @@ class CausalLM(nn.Module):
         check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
         h_TD, router_stats = self.model(input_ids_T, seq)
         loss = head_loss(
-            h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature
-        )
+            h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature,
+            self.logit_softcap,
+        )  # fmt: skip
         if reduction == "none":
             return loss
         parts = {"lm_loss": loss.detach()}

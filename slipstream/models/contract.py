@@ -34,6 +34,10 @@ class LanguageModel(Protocol):
         """(V, D): the head's weight (the embedding's when tied)."""
         ...
 
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        """(kv heads, head dim, layer whose KV cache it reads) of each layer (generation)."""
+        ...
+
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (RoPE tables) after `to_empty`."""
         ...

@@ -203,9 +203,10 @@ class ScaledEmbedding(nn.Embedding):
     a tensor of that dtype), looked up by dtype in forward: rounding there would be a host
     read. The tied LM head reads `weight` unscaled."""
 
-    def __init__(self, num_embeddings: int, dim: int) -> None:
+    def __init__(self, num_embeddings: int, dim: int, scale_dim: int | None = None) -> None:
         super().__init__(num_embeddings, dim)
-        root = torch.tensor(dim**0.5, dtype=torch.float32, device="cpu")
+        # sqrt(scale_dim): Gemma 4's per-layer table packs L rows of P, scaled by sqrt(P).
+        root = torch.tensor((scale_dim or dim) ** 0.5, dtype=torch.float32, device="cpu")
         dtypes = (torch.float32, torch.bfloat16, torch.float16)
         self.scale = {dt: root.to(dt).item() for dt in dtypes}
 

@@ -223,6 +223,15 @@ class GenericCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.hf.get_output_embeddings().weight
 
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        """(kv heads, head dim, cache layer) of each layer; per layer where the config is
+        heterogeneous (Gemma 4's `per_layer_config`); every layer writes its own cache."""
+        cfg, hf = self.config, self.hf.config.get_text_config()
+        if not getattr(hf, "is_heterogeneous", False):
+            return [(cfg.num_key_value_heads, cfg.head_dim, i) for i in range(len(self._layers))]
+        layers = [hf.per_layer_config[i] for i in range(len(self._layers))]
+        return [(c.num_key_value_heads, c.head_dim, i) for i, c in enumerate(layers)]
+
     def reset_buffers(self) -> None:
         """Non-persistent buffers (RoPE inverse frequencies) as transformers computes them."""
         for module in self.modules():
