@@ -107,7 +107,7 @@ def test_packed_logits_and_lora_grads_equal_per_sequence(tmp_path, quiet, model_
         assert _rel(grad, theirs[name]) < 1e-4, name
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "gemma4_text"])
 def test_offload_and_recompute_give_the_same_gradients(tmp_path, quiet, model_type):
     """Each GradientCheckpointingLayer under slipstream's offload Function (forced on CPU:
     the real schedule with synchronous copies) and under recompute: the gradients of none."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -146,8 +147,13 @@ def _checkpointed_forward(self, x_TD: torch.Tensor, *args, **kwargs):
 
 def _tracked(args: tuple, kwargs: dict) -> bool:
     """Whether any tensor among a layer's other arguments (one level into tuples) requires
-    grad: offload passes them through untracked, so such a call is recomputed instead."""
+    grad: offload passes them through untracked, so such a call is recomputed instead. So is
+    a call given a mutable mapping (transformers' Gemma 4 `shared_kv_states`): a side channel
+    the layer writes tensors into, which offload's graph-free forward would leave without
+    grad (the K/V a later layer reuses would send it none)."""
     values = [*args, *kwargs.values()]
+    if any(isinstance(v, MutableMapping) for v in values):
+        return True
     values += [t for v in values if isinstance(v, tuple | list) for t in v]
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
