@@ -94,7 +94,9 @@ class LoraSection(_Section):
     rank: int = _opt(16, "LoRA rank r", gt=0)
     alpha: float = _opt(32.0, "LoRA alpha (scale alpha / rank)", gt=0)
     dropout: float = _opt(0.0, "dropout on the LoRA input", ge=0.0, lt=1.0)
-    targets: str | list[str] = _opt("all-linear", "all-linear or names (q_proj, ...), not lm_head")
+    targets: str | list[str] = _opt(
+        "all-linear", "all-linear or names (q_proj, ...; lm_head: an untied head)"
+    )
     use_rslora: bool = _opt(False, "rank-stabilised scale alpha / sqrt(rank)")
     use_dora: bool = _opt(False, "DoRA: a trained magnitude per output row")
     plus_ratio: float | None = _opt(None, "LoRA+: B factors at this multiple of the lr", gt=0)

@@ -164,12 +164,71 @@ def test_bad_arguments_are_one_line_value_errors():
         save_adapter(_base("llama"), "/tmp/unused")
 
 
-def test_lora_on_lm_head_is_refused():
-    """The loss reads the head's weight directly: factors there would silently never train."""
-    model = _base("llama")
-    with pytest.raises(ValueError, match="LoRA on lm_head is not supported") as e:
-        apply_lora(model, targets=["q_proj", "lm_head"])
-    assert "\n" not in str(e.value) and type(model.lm_head) is nn.Linear
+def test_lora_on_lm_head_loads_in_peft_with_equal_loss_and_gradients(tmp_path):
+    """LoRA on an untied head (LoRAHead: `.weight` is the effective W + s B A, which the
+    chunked loss reads through lm_head_weight()): the adapter loads in peft with our logits,
+    loss and every factor's gradient; ours loads it back; the merged export equals it."""
+    from helpers.models import make_hf_model
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.checkpoint.hf import load_model, save_model
+    from slipstream.ops.packing import SeqInfo
+
+    make_hf_model("llama", tie_word_embeddings=False, vocab_size=300, hidden_size=32,
+                  intermediate_size=64, num_attention_heads=4,
+                  initializer_range=0.2).save_pretrained(tmp_path / "base")  # fmt: skip
+    model = load_model(tmp_path / "base", dtype=torch.float32)
+    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "lm_head"])
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # trained factors: a head adapter that did nothing would show
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    ids = torch.randint(0, 300, (2, 9), generator=g)
+    seq = SeqInfo.from_lengths([9, 9])
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1).reshape(-1)
+    loss = model.loss(ids.reshape(-1), labels, seq)
+    loss.backward()
+    assert model.lm_head.lora_B.weight.grad.abs().sum() > 0
+    out = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    assert "lm_head" in json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(hf, out, is_trainable=True)
+    got = theirs(input_ids=ids, labels=ids)
+    logits = model(ids.reshape(-1), seq).detach()
+    torch.testing.assert_close(got.logits.reshape(18, -1), logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, loss, atol=1e-6, rtol=1e-5)
+    got.loss.backward()
+    peft_grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+                  for n, p in theirs.named_parameters() if p.requires_grad}  # fmt: skip
+    our_grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert peft_grads.keys() == our_grads.keys() and "lm_head.lora_A.weight" in our_grads
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    again = load_adapter(load_model(tmp_path / "base", dtype=torch.float32), out)
+    torch.testing.assert_close(again(ids.reshape(-1), seq), logits, atol=1e-6, rtol=1e-6)
+    save_model(merge_lora(again), tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    torch.testing.assert_close(merged(input_ids=ids).logits.reshape(18, -1), logits,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_lora_on_lm_head_refusals_are_one_line(tmp_path):
+    """A tied head (no module of its own), dropout or DoRA on the head: one line each."""
+    from helpers.models import make_hf_model
+
+    from slipstream.checkpoint.hf import load_model
+
+    tied = make_hf_model("llama", tie_word_embeddings=True, vocab_size=64, hidden_size=32,
+                         intermediate_size=64, num_attention_heads=4)  # fmt: skip
+    tied.save_pretrained(tmp_path)
+    cases = [(load_model(tmp_path), {}, "ties its head to embed_tokens"),
+             (_base("llama"), {"dropout": 0.1}, "lm_head takes no lora.dropout"),
+             (_base("llama"), {"use_dora": True}, "lm_head takes no use_dora")]  # fmt: skip
+    for model, options, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            apply_lora(model, targets=["q_proj", "lm_head"], **options)
+        assert "\n" not in str(e.value)
 
 
 def test_load_errors_name_the_tensor_or_file(tmp_path):

@@ -29,7 +29,7 @@ from slipstream.models.moe_block import Router, moe_blocks
 from slipstream.peft.dora import DoRALinear
 from slipstream.peft.embeddings import merge_trainable_tokens
 from slipstream.peft.lora_experts import experts_paths, merge_expert_lora, wrap_experts
-from slipstream.peft.lora_linear import LoRALinear, lora_modules
+from slipstream.peft.lora_linear import LoRAHead, LoRALinear, lora_modules
 from slipstream.peft.names import EXPERT_TARGET_OF, model_layout, parameter_targets
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -142,6 +142,12 @@ def apply_lora(
         linear = wanted & present
         experts = {EXPERT_TARGET_OF[n] for n in wanted & expert_names}
         missing = sorted(wanted - present - expert_names)
+        if "lm_head" in missing and getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError(
+                "lora targets lm_head: this model ties its head to embed_tokens "
+                "(tie_word_embeddings), so there is no separate head to adapt; train it with "
+                "lora.train_embeddings=[lm_head] or drop lm_head from the targets"
+            )
         if missing or not wanted:
             also = f"; MoE expert names: {sorted(expert_names)}" if expert_names else ""
             raise ValueError(
@@ -189,18 +195,20 @@ def wrap_lora(
             "(e.g. q_proj, v_proj, o_proj) or drop use_dora"
         )
     wrapper = DoRALinear if use_dora else LoRALinear
-    if any(name.rsplit(".", 1)[-1] == "lm_head" for name in targets.linears):
-        # The loss, log-probs and generation read the head's weight directly (chunked
-        # cross-entropy, `lm_head_weight`): factors on it would never be used or trained.
+    head = [name for name in targets.linears if name.rsplit(".", 1)[-1] == "lm_head"]
+    if head and (use_dora or dropout > 0):
+        # The loss, log-probs and generation read the head's weight (`lm_head_weight`), the
+        # effective W + s B A of a LoRAHead: no per-input dropout, no DoRA norm there.
         raise ValueError(
-            "LoRA on lm_head is not supported: the loss reads the head's weight directly, so "
-            "its factors would never train; drop lm_head from the lora targets (to train the "
-            "head: lora.train_embeddings=[lm_head])"
+            f"LoRA on lm_head takes no {'use_dora' if use_dora else 'lora.dropout'} (the loss "
+            "reads the head's effective weight, not its input); set it off or drop lm_head "
+            "from the lora targets"
         )
     for name, parent, attr, module in linear_children(model):
         if name in targets.linears:
             r, a = targets.linears[name]
-            setattr(parent, attr, wrapper(module, r, a, dropout, use_rslora))
+            kind = LoRAHead if name in head else wrapper
+            setattr(parent, attr, kind(module, r, a, dropout, use_rslora))
     for name, (r, a) in targets.routers.items():  # y = x W^T + s x A^T B^T, as for a linear
         parent, _, attr = name.rpartition(".")
         router = LoRALinear(model.get_submodule(name), r, a, 0.0, use_rslora)

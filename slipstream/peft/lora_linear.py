@@ -82,6 +82,19 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
+class LoRAHead(LoRALinear):
+    """LoRA on the LM head: `.weight` is the effective matrix W + s B A, differentiable in
+    the factors, which `lm_head_weight()` and so the chunked loss, log-probs, the JSD and
+    generation read (they never call the head as a module). No dropout: it would act on the
+    head's input, which those paths do not see."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self.base_layer.weight
+        delta = self.lora_B.weight @ self.lora_A.weight
+        return w + (self.scaling * delta).to(w.dtype)
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """Module path -> LoRALinear, in model order."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
