@@ -68,11 +68,34 @@ def marked_text(tokenizer: Any, example: Any, *, color: bool = False) -> str:
     marked. `trainable[t]` says token t is a target."""
     pieces, start = [], 0
     flags = example.trainable
+    # An image's feature rows show as one marker each: its size after resizing, its rows.
+    image_id = getattr(example, "image_token_id", None)
+    kinds = [(f, i == image_id) for f, i in zip(flags, example.input_ids)]
+    markers = _image_markers(example, image_id)
     for i in range(1, len(flags) + 1):
-        if i == len(flags) or flags[i] != flags[start]:
+        if i == len(flags) or kinds[i] != kinds[start]:
+            if kinds[start][1]:
+                pieces += [markers[t] for t in range(start, i) if t in markers]
+                start = i
+                continue
             text = tokenizer.decode(example.input_ids[start:i])
             if flags[start]:
                 text = f"{GREEN}{text}{RESET}" if color else f"[{text}]"
             pieces.append(text)
             start = i
     return "".join(pieces)
+
+
+def _image_markers(example: Any, image_id: int | None) -> dict[int, str]:
+    """{first feature row of each image: its marker (size after resizing, rows)}."""
+    if image_id is None:
+        return {}
+    rows = [t for t, i in enumerate(example.input_ids) if i == image_id]
+    out, offset = {}, 0
+    for k, ((h, w), n) in enumerate(zip(example.sizes, example.image_tokens)):
+        if offset + n <= len(rows):
+            out[rows[offset]] = (
+                f"<image {k + 1}: {h}x{w}, rows {rows[offset]}-{rows[offset + n - 1]}>"
+            )
+        offset += n
+    return out

@@ -330,11 +330,17 @@ def save_model(model: CausalLM, directory: str | os.PathLike, *, tokenizer: Any 
     gen = generation_config(model.config.hf, source, tokenizer)
     atomic_write_text(out / "generation_config.json", json.dumps(gen, indent=2) + "\n")
     if weight_map(model.config).layouts:
-        for name in PROCESSOR_FILES:
-            src = Path(model.checkpoint_path) / name
-            if src.is_file() and src.resolve() != (out / name).resolve():
-                atomic_write_text(out / name, src.read_text())
+        copy_processor_files(model, out)
     return out
+
+
+def copy_processor_files(model: Any, out: Path) -> None:
+    """The checkpoint's image-processor files (PROCESSOR_FILES), copied into `out`."""
+    folder = getattr(model, "checkpoint_path", None)
+    for name in PROCESSOR_FILES if folder is not None else ():
+        src = Path(folder) / name
+        if src.is_file() and src.resolve() != (out / name).resolve():
+            atomic_write_text(out / name, src.read_text())
 
 
 def write_tensors(state: dict[str, torch.Tensor], out: Path) -> None:
@@ -364,6 +370,7 @@ def _save_generic(model, out: Path) -> Path:
             "use export_merged() (or merge_lora) to fold them in first."
         )
     generic.save(model, out)
+    copy_processor_files(model, out)  # an image-text model's: a complete checkpoint
     return out
 
 

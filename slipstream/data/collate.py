@@ -5,6 +5,8 @@ same sequence, else -100; `label_positions` are the t with a target, so the mode
 LM head on those rows only and never has to find them with a boolean mask (a host sync).
 `input_ids`, `labels` and `label_positions` are views of one (pinned, when CUDA is present)
 host buffer: `Batch.to(device)` is one non-blocking copy for all three plus the `SeqInfo`'s.
+Examples with images add their model inputs and `image_rows`, the packed positions their
+features fill, built here on the host (data/vision.py `put_images`).
 
 Shapes: T = total tokens in the batch, N = labelled positions (`num_labels`).
 """
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 from slipstream.data.labels import Example
 from slipstream.data.packed import IGNORE_INDEX, PackedBatch, PackedBuilder, target_spans
+from slipstream.data.vision import ImageExample, put_images
 
 __all__ = ["IGNORE_INDEX", "Batch", "collate"]
 
@@ -25,11 +28,16 @@ def collate(examples: Sequence[Example]) -> Batch:
     """Concatenate examples into one packed batch (see module docstring)."""
     if not examples:
         raise ValueError("collate: no examples; a batch needs at least one.")
-    builder = PackedBuilder()
+    builder, start, with_images = PackedBuilder(), 0, []
     for ex in examples:
         if len(ex.input_ids) != len(ex.trainable):
             raise ValueError(
                 f"collate: example has {len(ex.input_ids)} ids but {len(ex.trainable)} mask values."
             )
         builder.add(ex.input_ids, target_spans(ex.trainable))
+        if isinstance(ex, ImageExample):
+            with_images.append((start, ex))
+        start += len(ex.input_ids)
+    if with_images:
+        put_images(builder, with_images)
     return builder.build()

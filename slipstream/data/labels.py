@@ -16,11 +16,12 @@ differently degrades by a token instead of shifting every later label.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from slipstream.data.formats import detect_format, row_format, to_messages
+from slipstream.data.images import has_images
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns, unwrap_row
 
 PARALLEL_MIN_ROWS = 20_000  # below this, process start-up costs more than it saves
@@ -43,14 +44,20 @@ def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -
     )
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], train_on: str) -> Example:
-    """Token ids of the templated conversation and its target mask (see module docstring)."""
+def encode_chat(
+    tokenizer: Any, messages: list[dict], train_on: str, expand: Callable[[str], str] | None = None
+) -> Example:
+    """Token ids of the templated conversation and its target mask (see module docstring).
+    `expand` rewrites each rendered text before it is tokenized (image placeholders ->
+    their token sequences, data/vision.py)."""
     texts = [_render(tokenizer, messages, False)]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "assistant":
         for i in turns:
             texts.append(_render(tokenizer, messages[:i], True) if i else "")
             texts.append(_render(tokenizer, messages[: i + 1], False))
+    if expand is not None:
+        texts = [expand(text) for text in texts]
     # One batched call: the fast tokenizer encodes all prefixes in Rust.
     encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     ids = list(encoded[0])
@@ -103,17 +110,21 @@ def _encode_row(
     max_tokens: int,
     overlong: str,
     auto: bool = False,
+    images: Any = None,
 ) -> tuple[Example | None, str, bool, str]:
     """-> (example or None, status "ok" | "reason: detail" | "dropped: tokens", truncated?,
     the row's format: its own with `auto`, else `fmt`). Statuses, not RowErrors, so that
-    the results of `datasets.map` processes come back as plain columns."""
+    the results of `datasets.map` processes come back as plain columns. `images` (a
+    data.vision.ImageProcessing) encodes the rows that carry images."""
     fmt = row_format(row, fmt) if auto else fmt
-    ex, status, truncated = _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong)
+    ex, status, truncated = _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong, images)
     return ex, status, truncated, fmt
 
 
-def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong):
+def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong, images=None):
     try:
+        if images is not None and fmt == "messages" and has_images(row):
+            return _encode_images(row, tokenizer, train_on, max_tokens, overlong, images)
         content = to_messages(row, fmt)
     except RowError as e:
         return None, f"{e.reason}: {e.detail}", False
@@ -132,15 +143,29 @@ def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong):
             return None, f"dropped: {len(ex)}", False
         ex = Example(ex.input_ids[:max_tokens], ex.trainable[:max_tokens])
         truncated = True
+    return _checked(ex, truncated)
+
+
+def _checked(ex: Example, truncated: bool):
     # Token 0 has nothing before it to predict it from, so it can never be a target.
     if not any(ex.trainable[1:]):
         return None, "all_masked: no target tokens (no assistant reply kept)", truncated
     return ex, "ok", truncated
 
 
-def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong, auto):
+def _encode_images(row, tokenizer, train_on, max_tokens, overlong, images):
+    """An image row (data/vision.py); a cut may not fall before an image's last token."""
+    ex = images.encode(row, tokenizer, train_on)
+    if len(ex) <= max_tokens:
+        return _checked(ex, False)
+    if overlong == "drop":
+        return None, f"dropped: {len(ex)}", False
+    return _checked(ex.truncated(max_tokens), True)
+
+
+def _map_fn(row, tokenizer, fmt, train_on, max_tokens, overlong, auto, images=None):
     ex, status, truncated, fmt = _encode_row(
-        unwrap_row(row), tokenizer, fmt, train_on, max_tokens, overlong, auto
+        unwrap_row(row), tokenizer, fmt, train_on, max_tokens, overlong, auto, images
     )
     return {
         "ids": ex.input_ids if ex else [],
@@ -163,6 +188,7 @@ def tokenize_rows(
     num_proc: int | None = None,
     first_row: int = 0,
     limit_name: str = "max_tokens",
+    images: Any = None,
 ) -> tuple[list[Example], DataReport]:
     """Tokenize a `datasets.Dataset` (or list of dicts) into Examples, counting every skip.
 
@@ -170,11 +196,13 @@ def tokenize_rows(
     processes only for datasets over 20k rows. `first_row` is the number of `rows[0]` in
     messages (a shard of a larger split names rows by their place in the split).
     `limit_name` is the setting that set `max_tokens`, named when every example is over it.
+    `images` (data.vision.ImageProcessing, the checkpoint's image side) reads image rows.
     """
     fmt = _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong)
-    args = (tokenizer, fmt, train_on, max_tokens, overlong, format == "auto")
+    args = (tokenizer, fmt, train_on, max_tokens, overlong, format == "auto", images)
     if num_proc is None:
         num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
+    num_proc = 1 if images is not None else num_proc  # image rows: one process, in memory
     report = DataReport(rows=len(rows), format=fmt)
     parallel = num_proc > 1 and hasattr(rows, "map")
     if parallel:
@@ -213,7 +241,7 @@ def _check_tokenize_args(rows, tokenizer, format, train_on, max_tokens, overlong
 
 def _encode_in_processes(rows: Any, args: tuple, num_proc: int) -> Any:
     """The rows tokenized by `datasets` in processes: one row of `_map_fn`'s columns each."""
-    names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong", "auto")
+    names = ("tokenizer", "fmt", "train_on", "max_tokens", "overlong", "auto", "images")
     return rows.map(
         _map_fn,
         fn_kwargs=dict(zip(names, args)),

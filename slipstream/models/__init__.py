@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
 
 IMPLEMENTATIONS = ("auto", "native", "transformers")  # `model.implementation`
 GENERIC = "generic"  # the family module for transformers' own modeling code
+GENERIC_VISION = "generic_vision"  # and for its image-text models (AutoModelForImageTextToText)
 
 
 def choose_family(
@@ -69,9 +70,11 @@ def choose_family(
         return native, "native family, as model.implementation=native asks"
     if native is not None and implementation == "auto":
         return native, f"native family slipstream/models/{native}.py"
-    from slipstream.models.generic_types import transformers_builds
+    from slipstream.models.generic_types import builds_image_text, transformers_builds
 
     builds, version = transformers_builds(model_type)
+    if not builds and builds_image_text(model_type):
+        return GENERIC_VISION, f"transformers' image-text modeling code for {model_type!r}"
     remote = "AutoModelForCausalLM" in ((hf or {}).get("auto_map") or {})
     if not builds and remote:
         if not trust_remote_code:

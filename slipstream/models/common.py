@@ -284,6 +284,12 @@ class CausalLM(nn.Module):
     def input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
+    def embed(self, input_ids_T: torch.Tensor, images: Any = None) -> torch.Tensor:
+        """(T, D) token embeddings; native families take no images yet."""
+        if images is not None:
+            raise ValueError(f"{self.config.model_type}: slipstream's native model takes no images")
+        return self.model.embed_tokens(input_ids_T)
+
     def reset_buffers(self) -> None:
         self.model.reset_rope()
 

@@ -30,6 +30,13 @@ class LanguageModel(Protocol):
         """The token embedding module (its weight's device and dtype are the model's)."""
         ...
 
+    def embed(self, input_ids_T: torch.Tensor, images: dict | None = None) -> torch.Tensor:
+        """(T, D): the embedding stage. An image-text model runs its vision tower once over
+        the batch's images and writes the features into the rows `images["image_rows"]`
+        names (host-built: data/vision.py); `hidden_states`, `loss` and `model(...)` then
+        take the same `images=`. A text model refuses images."""
+        ...
+
     def lm_head_weight(self) -> torch.Tensor:
         """(V, D): the head's weight (the embedding's when tied)."""
         ...

@@ -91,14 +91,18 @@ def _hf_config(cfg: ModelConfig, trust_remote_code: bool = False):
         raise ValueError(f"config.json: transformers cannot build {model_type!r}: {e}") from None
 
 
-def build(cfg: ModelConfig, trust_remote_code: bool = False) -> GenericCausalLM:
-    """transformers' model of `cfg` on the current default device, randomly initialised."""
+def build(
+    cfg: ModelConfig, trust_remote_code: bool = False, auto_class: Any = None, wrapper: Any = None
+) -> GenericCausalLM:
+    """transformers' model of `cfg` on the current default device, randomly initialised
+    (`auto_class`/`wrapper`: AutoModelForCausalLM/GenericCausalLM unless given, as the
+    image-text family does: models/generic_vision.py)."""
     from transformers import AutoModelForCausalLM
 
     register()
     config = _hf_config(cfg, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_config(
+        model = (auto_class or AutoModelForCausalLM).from_config(
             config, trust_remote_code=trust_remote_code, **_implementations(config)
         )
     except Exception as e:
@@ -106,13 +110,17 @@ def build(cfg: ModelConfig, trust_remote_code: bool = False) -> GenericCausalLM:
             f"config.json: transformers cannot build {cfg.model_type!r}: "
             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
-    return GenericCausalLM(cfg, model)
+    return (wrapper or GenericCausalLM)(cfg, model)
 
 
-def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -> GenericCausalLM:
+def load(
+    hf, folder, dtype, device, quantize, source, trust_remote_code=False, auto_class=None,
+    wrapper=None,
+) -> GenericCausalLM:  # fmt: skip
     """transformers' `from_pretrained` (its loader streams the tensors into a meta-built
-    model and applies its checkpoint conversions), wrapped. quantize="nf4" (already checked
-    by the caller, peft.qlora.check_quantize): QLoRA's NF4 bases (models/generic_nf4.py)."""
+    model and applies its checkpoint conversions), wrapped (`auto_class`, `wrapper`: as
+    `build`). quantize="nf4" (already checked by the caller, peft.qlora.check_quantize):
+    QLoRA's NF4 bases (models/generic_nf4.py)."""
     from transformers import AutoModelForCausalLM
 
     if folder is None:
@@ -129,7 +137,7 @@ def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -
         kwargs = _implementations(config)
         if quantize == "nf4" and getattr(config, "quantization_config", None) is None:
             kwargs["quantization_config"] = nf4_config(config, dtype, decoder_of, trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = (auto_class or AutoModelForCausalLM).from_pretrained(
             str(folder), config=config, dtype=dtype, device_map={"": device},
             trust_remote_code=trust_remote_code, **kwargs,
         )  # fmt: skip
@@ -137,7 +145,7 @@ def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False) -
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{source}: transformers cannot load this checkpoint: {first}") from None
     one_cpu_path(model)
-    return GenericCausalLM(cfg, model)
+    return (wrapper or GenericCausalLM)(cfg, model)
 
 
 def _implementations(config) -> dict[str, str]:
@@ -145,19 +153,27 @@ def _implementations(config) -> dict[str, str]:
     through transformers' ExpertsInterface (not for remote code: its class is unknown here)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from slipstream.models.generic_types import image_text_class
+
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
+        if image_text_class(config) is not None:  # the vision side keeps SDPA
+            subs = getattr(config, "sub_configs", {}) or {}
+            per_config = {n: ATTENTION if n == "text_config" else "sdpa" for n in subs}
+            return {"attn_implementation": per_config}
         return {"attn_implementation": ATTENTION}
     return implementations(model_class)
 
 
 def decoder_of(hf_model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     """(the backbone, its decoder layers): the first ModuleList of transformers'
-    GradientCheckpointingLayers, and the module holding it."""
+    GradientCheckpointingLayers, and the module holding it; in an image-text model, of its
+    language model (the vision tower's layers come first)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    for module in hf_model.modules():
+    language = getattr(getattr(hf_model, "model", None), "language_model", None)
+    for module in (language or hf_model).modules():
         for child in module.children():
             layers = isinstance(child, nn.ModuleList) and len(child) > 0
             if layers and all(isinstance(m, GradientCheckpointingLayer) for m in child):
@@ -247,19 +263,33 @@ class GenericCausalLM(nn.Module):
         self.hf.training = mode
         return self
 
-    def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        """(T, D) after the final norm: transformers' backbone over the packed stream."""
-        return self._backbone_out(input_ids_T, seq)[0][0]
+    def embed(self, input_ids_T: torch.Tensor, images: Any = None) -> torch.Tensor:
+        """(T, D) input embeddings; a text model takes no images."""
+        if images is not None:
+            raise ValueError(f"{self.config.model_type}: this model takes no images")
+        return self.input_embeddings()(input_ids_T)
 
-    def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, **kwargs):
+    def hidden_states(
+        self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None
+    ) -> torch.Tensor:
+        """(T, D) after the final norm: transformers' backbone over the packed stream
+        (`images`: an image-text model's image inputs, written in by `embed`)."""
+        return self._backbone_out(input_ids_T, seq, images)[0][0]
+
+    def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images=None, **kwargs):
         _check_batch(input_ids_T, seq)
+        inputs = (
+            {"input_ids": input_ids_T[None]}
+            if images is None
+            else {"inputs_embeds": self.embed(input_ids_T, images)[None]}
+        )
         return self._backbone(
-            input_ids=input_ids_T[None], position_ids=seq.position_ids[None], use_cache=False,
+            **inputs, position_ids=seq.position_ids[None], use_cache=False,
             **{SEQ_KWARG: seq}, **kwargs,
         )  # fmt: skip
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        logits_TV = F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None) -> torch.Tensor:
+        logits_TV = F.linear(self.hidden_states(input_ids_T, seq, images), self.lm_head_weight())
         if self.logit_scale != 1.0:
             logits_TV = logits_TV * self.logit_scale
         if self.softcap is not None:
@@ -275,13 +305,15 @@ class GenericCausalLM(nn.Module):
         label_positions: torch.Tensor | None = None,
         return_parts: bool = False,
         temperature: float = 1.0,
+        images: Any = None,
     ):
-        """As `CausalLM.loss`, the router loss transformers' (`router_loss`)."""
+        """As `CausalLM.loss`, the router loss transformers' (`router_loss`); `images` as
+        `hidden_states`."""
         check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
         aux_on = self.router_loss is not None and self.router_aux_loss_coef > 0
         aux_on = aux_on and reduction != "none"
         router = {"output_router_logits": True} if aux_on else {}
-        out = self._backbone_out(input_ids_T, seq, **router)
+        out = self._backbone_out(input_ids_T, seq, images, **router)
         h_TD = out[0][0]
         if self.logit_scale != 1.0:
             h_TD = h_TD * self.logit_scale

@@ -13,3 +13,23 @@ def transformers_builds(model_type: str | None) -> tuple[bool, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, transformers.__version__
+
+
+def image_text_class(config) -> type | None:
+    """transformers' AutoModelForImageTextToText class for a config object, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+
+
+def builds_image_text(model_type: str | None) -> bool:
+    """Whether transformers builds `model_type` as an image-text model (and no causal LM)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    return (
+        model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )

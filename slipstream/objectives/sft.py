@@ -40,12 +40,25 @@ class SFT(Objective):
             if d.max_tokens is not None and d.max_tokens < t.tokens_per_batch
             else "train.tokens_per_batch",
         )  # fmt: skip
+        self.model_path = cfg.model.path
 
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
-        """(list[Example], DataReport): chat template, assistant-only labels (data/labels.py)."""
+        """(list[Example], DataReport): chat template, assistant-only labels (data/labels.py);
+        image rows through the checkpoint's image processor (data/vision.py)."""
         from slipstream.data import tokenize_rows
 
-        return tokenize_rows(rows, tokenizer, first_row=first_row, **self.options)
+        images = self._images(tokenizer)
+        return tokenize_rows(rows, tokenizer, first_row=first_row, images=images, **self.options)
+
+    def _images(self, tokenizer: Any) -> Any:
+        """The checkpoint's image side (None for a text model), built once."""
+        if not hasattr(self, "_image_side"):
+            from slipstream.data.vision import ImageProcessing
+            from slipstream.sources import resolve_model
+
+            path = getattr(self, "model_path", None)
+            self._image_side = path and ImageProcessing.from_model(resolve_model(path), tokenizer)
+        return self._image_side
 
     def length(self, example: Any) -> int:
         return len(example.input_ids)
@@ -63,10 +76,13 @@ class SFT(Objective):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Summed cross-entropy (+ coef * aux * N in training); the LM head runs on the
         labelled positions only. Hand-built batches without positions take the full path."""
+        from slipstream.data.vision import image_inputs
+
         positions = getattr(batch, "label_positions", None)
+        images = image_inputs(getattr(batch, "fields", {}))
         loss, parts = model.loss(
             batch.input_ids, batch.labels, batch.seq, reduction="sum", label_positions=positions,
-            return_parts=True,
+            return_parts=True, **({"images": images} if images else {}),
         )  # fmt: skip
         if "aux_loss" not in parts:
             return loss, {}

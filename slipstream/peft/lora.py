@@ -155,8 +155,14 @@ def apply_lora(
                 f"linear module names present: {sorted(present)}{also}"
             )
     check_hyperparameters(rank, alpha, dropout, "lora", experts=bool(experts))
+    # An image-text model's vision tower and projector: no LoRA unless vision.train asks.
+    skip = tuple(getattr(model, "no_lora_prefixes", ()))
     chosen = LoraTargets(
-        {name: (rank, alpha) for name, _, attr, _ in linear_children(model) if attr in linear},
+        {
+            name: (rank, alpha)
+            for name, _, attr, _ in linear_children(model)
+            if attr in linear and not (skip and name.startswith(skip))
+        },
         {path: {t: (rank, alpha) for t in experts} for path in experts_paths(model)}
         if experts
         else {},

@@ -93,13 +93,15 @@ def build_data(cfg: RunConfig, tokenizer: Any, objective: Any = None) -> RunData
 def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, what: str):
     """(examples, DataReport) of one source's rows. Under torchrun each rank tokenizes a
     slice and all get every example back, in row order: every rank packs the same batches."""
+    from slipstream.data.images import images_relative_to
     from slipstream.data.row_shards import tokenize_sharded
 
     def tokenize(part, first_row):
         return objective.tokenize(part, tokenizer, first_row)
 
     try:
-        examples, report = tokenize_sharded(tokenize, rows, what)
+        with images_relative_to(source):  # a row's image paths are relative to its file
+            examples, report = tokenize_sharded(tokenize, rows, what)
     except ValueError as e:
         raise ValueError(f"data source '{source}' ({what}): {e}") from None
     if not examples:
@@ -232,6 +234,9 @@ def save_result(model: torch.nn.Module, tokenizer: Any, out: Path, cfg: RunConfi
         # The base as load_model noted it (a GGUF's hub id); a model passed in: the config's.
         base = None if getattr(model, "name_or_path", None) else cfg.model.path
         save_adapter(model, out, base_model_name_or_path=base)
+        from slipstream.checkpoint.hf import copy_processor_files
+
+        copy_processor_files(model, out)  # generate/export with images read them here
     if hasattr(tokenizer, "save_pretrained"):  # into a temp folder, then renamed file by file
         atomic_write_files(out, tokenizer.save_pretrained)
 

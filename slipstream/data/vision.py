@@ -1,0 +1,210 @@
+"""Image+text rows -> token ids, targets and the images' model inputs, with the checkpoint's
+own image processor and chat template.
+
+The conversation (data/images.py: parts and PIL images) is rendered by the chat template,
+which prints one placeholder per image part (`<image>`, `<start_of_image>`,
+`<|image_pad|>`, `[IMG]`); each placeholder is then replaced, in order, by the image's token
+sequence, computed from the image processor's output (its grid sizes say how many tokens).
+That is the processor class's own `replace_image_token` where the class builds here; where it
+cannot (Qwen-VL's needs torchvision for its video side), a rule of ours for the model type
+(`RULES`), tested equal to the processor's ids where the processor builds
+(tests/test_vision_data.py). The expanded texts are tokenized as text rows are
+(data/labels.py `encode_chat`: assistant-only targets by prefix rendering); tokens of an
+image sequence are never targets.
+
+`ImageExample` holds per image its model inputs (`pixel_values` and the model's extras:
+`image_grid_thw`, `image_sizes`), concatenated over the example's images along dim 0, and
+the id of the token whose rows receive the image features; the collator (data/collate.py)
+concatenates them over the batch and builds the rows those features fill on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.data.images import vision_messages
+from slipstream.data.labels import Example, encode_chat
+from slipstream.data.rows import RowError
+
+log = logging.getLogger("slipstream")
+
+# What each model's forward takes of the image processor's output (besides pixel_values).
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+@dataclass
+class ImageExample(Example):
+    """An Example with images: `images` (input name -> tensor, the example's images
+    concatenated along dim 0), `image_token_id` (the placeholder rows features fill),
+    `sizes` ((height, width) of each image after resizing), `image_tokens` (per image)."""
+
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_token_id: int = -1
+    sizes: list[tuple[int, int]] = field(default_factory=list)
+    image_tokens: list[int] = field(default_factory=list)
+
+    def feature_rows(self) -> list[int]:
+        """The token positions that receive image features, in order (host scan)."""
+        return [t for t, i in enumerate(self.input_ids) if i == self.image_token_id]
+
+    def truncated(self, max_tokens: int) -> ImageExample:
+        """The first `max_tokens` tokens; RowError when the cut falls before an image ends."""
+        rows = self.feature_rows()
+        if rows and rows[-1] >= max_tokens:
+            raise RowError(
+                "image_truncated",
+                f"{len(self)} tokens ({len(rows)} of them image tokens) do not fit "
+                f"{max_tokens} without cutting an image; raise the limit or use smaller images",
+            )
+        return replace(
+            self, input_ids=self.input_ids[:max_tokens], trainable=self.trainable[:max_tokens]
+        )
+
+
+def _qwen_vl(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str:
+    merge = side.image_processor.merge_size
+    return side.placeholder * int(processed["image_grid_thw"][i].prod() // merge**2)
+
+
+# model_type -> (placeholder the chat template prints, replacement for image i), for
+# processors that cannot be built without torchvision.
+RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], str]]] = {
+    "qwen2_vl": ("<|image_pad|>", _qwen_vl),
+    "qwen2_5_vl": ("<|image_pad|>", _qwen_vl),
+    "qwen3_vl": ("<|image_pad|>", _qwen_vl),
+}
+
+
+class ImageProcessing:
+    """A checkpoint's image side: its image processor, the placeholder its template prints,
+    the token sequence each image becomes, and the id of the rows its features fill."""
+
+    def __init__(self, folder: str, tokenizer: Any) -> None:
+        from transformers import AutoImageProcessor, AutoProcessor
+
+        config = _config_json(folder)
+        self.model_type = config.get("model_type")
+        self.processor = None
+        try:
+            self.processor = AutoProcessor.from_pretrained(folder)
+            self.image_processor = self.processor.image_processor
+            self.placeholder = self.processor.image_token
+            self.replace_image = lambda processed, i: self.processor.replace_image_token(
+                processed, image_idx=i
+            )
+        except Exception as e:  # e.g. a video processor that needs torchvision
+            if self.model_type not in RULES:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ValueError(
+                    f"model.path {folder}: its processor cannot be built ({first}) and "
+                    f"slipstream has no image-token rule for {self.model_type!r}"
+                ) from None
+            self.image_processor = AutoImageProcessor.from_pretrained(folder)
+            self.placeholder, rule = RULES[self.model_type]
+            self.replace_image = lambda processed, i: rule(processed, i, self)
+        token = config.get("image_token_id", config.get("image_token_index"))
+        if token is None:
+            raise ValueError(f"model.path {folder}: config.json has no image_token_id")
+        self.image_token_id = int(token)
+        self.added_ids = set(tokenizer.get_added_vocab().values())
+        self._sequence_ids: dict[str, list[int]] = {}  # replacement text -> its ids
+
+    @classmethod
+    def from_model(cls, path: str, tokenizer: Any) -> ImageProcessing | None:
+        """The image side of a local checkpoint folder, or None for a text-only one."""
+        folder = Path(path)
+        has = any(
+            (folder / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
+        )
+        return cls(str(folder), tokenizer) if folder.is_dir() and has else None
+
+    def process(self, image: Any) -> tuple[dict[str, torch.Tensor], str, tuple[int, int]]:
+        """(one image's model inputs, its token sequence, its (height, width) resized)."""
+        out = self.image_processor(images=[image], return_tensors="pt")
+        inputs = {k: torch.as_tensor(out[k]) for k in MODEL_INPUTS if k in out}
+        if "image_grid_thw" in inputs:
+            patch = self.image_processor.patch_size
+            _, h, w = inputs["image_grid_thw"][0].tolist()  # host tensors from the processor
+            size = (h * patch, w * patch)
+        elif "image_sizes" in inputs:
+            size = tuple(inputs["image_sizes"][0].tolist())
+        else:
+            size = tuple(inputs["pixel_values"].shape[-2:])
+        return inputs, self.replace_image(out, 0), size
+
+    def encode(self, row: Mapping[str, Any], tokenizer: Any, train_on: str) -> ImageExample:
+        """One image row as an ImageExample (module docstring); RowError for a bad row."""
+        messages, images = vision_messages(row)
+        processed = [self.process(image) for image in images]
+        replacements = [text for _, text, _ in processed]
+
+        def expand(text: str) -> str:
+            pieces = text.split(self.placeholder)
+            if len(pieces) - 1 > len(replacements):
+                raise RowError(
+                    "image_count",
+                    f"the chat template printed {len(pieces) - 1} image placeholders "
+                    f"({self.placeholder!r}) for {len(replacements)} images",
+                )
+            out = [pieces[0]]
+            for k, piece in enumerate(pieces[1:]):
+                out += [replacements[k], piece]
+            return "".join(out)
+
+        full = _render(tokenizer, messages)
+        if full.count(self.placeholder) != len(images):
+            raise RowError(
+                "image_count",
+                f"the chat template printed {full.count(self.placeholder)} image placeholders "
+                f"({self.placeholder!r}) for {len(images)} images",
+            )
+        ex = encode_chat(tokenizer, messages, train_on, expand=expand)
+        sequences = [self._ids(tokenizer, r) for r in replacements]
+        # The special tokens of an image's sequence are never targets (an image in a reply).
+        image_ids = {i for ids in sequences for i in ids if i in self.added_ids}
+        trainable = [t and i not in image_ids for i, t in zip(ex.input_ids, ex.trainable)]
+        inputs = {
+            k: torch.cat([p[k] for p, _, _ in processed]) for k in processed[0][0]
+        }  # every image of one model has the same inputs
+        counts = [ids.count(self.image_token_id) for ids in sequences]
+        return ImageExample(
+            ex.input_ids, trainable, inputs, self.image_token_id, [s for *_, s in processed], counts
+        )
+
+    def _ids(self, tokenizer: Any, text: str) -> list[int]:
+        if text not in self._sequence_ids:
+            self._sequence_ids[text] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._sequence_ids[text]
+
+
+def _render(tokenizer: Any, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _config_json(folder: str) -> dict:
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:
+    """Add the images of packed examples ((first token's position, example) each) to a
+    batch: every model input concatenated in order, and `image_rows` (P,) int64, the packed
+    positions their features fill (a host scan: the model never looks for placeholder ids)."""
+    rows = [start + t for start, ex in examples for t in ex.feature_rows()]
+    builder.put("image_rows", torch.tensor(rows, dtype=torch.int64))
+    for name in examples[0][1].images:
+        builder.put(name, torch.cat([ex.images[name] for _, ex in examples]))
+
+
+def image_inputs(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """A batch's image inputs (`image_rows` and the model inputs), or None without images."""
+    if "image_rows" not in fields:
+        return None
+    return {k: v for k, v in fields.items() if k == "image_rows" or k in MODEL_INPUTS}

@@ -1,0 +1,98 @@
+"""Image-text models on the generic path: transformers' `AutoModelForImageTextToText` models
+(LLaVA, Mistral 3, ...) under the model contract, with the embedding stage that takes images.
+
+The language model is transformers' own (packed through our attention function, as any
+generic model); the vision tower and projector run transformers' code too, with their own
+attention ("sdpa": images are not packed sequences). One micro-batch runs the tower once over
+all its images (`get_image_features`), and the features are written into the packed rows the
+collator found on the host (`images["image_rows"]`, data/vision.py) by `index_copy`: no
+`input_ids == image_token_id` on the device, no boolean mask, no host sync. A frozen tower
+(its parameters and the pixels need no grad) records no autograd state.
+
+Shapes: T tokens (flat, packed), D hidden, P image feature rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.models import generic
+from slipstream.models.generic import GenericCausalLM, config_from_hf
+from slipstream.models.spec import FamilySpec
+from slipstream.models.weights import WeightMap
+
+VISION_PARTS = {"tower": ("vision_tower", "vision_model"), "projector": ("multi_modal_projector",)}
+
+
+def vision_prefixes(hf_model: nn.Module) -> dict[str, str]:
+    """{"tower": module path, "projector": module path} of the parts present (our names:
+    the wrapper's children are transformers' own)."""
+    found = {}
+    for name, _ in hf_model.named_modules():
+        for part, leaves in VISION_PARTS.items():
+            if part not in found and name.rsplit(".", 1)[-1] in leaves:
+                found[part] = name
+    return found
+
+
+class GenericImageTextLM(GenericCausalLM):
+    """A transformers image-text model under the contract: `embed(ids, images)` writes the
+    image features into their rows; `hidden_states`, `loss` and `forward` take `images`."""
+
+    def __init__(self, cfg: Any, hf_model: nn.Module) -> None:
+        super().__init__(cfg, hf_model)
+        self.vision = vision_prefixes(hf_model)
+        # LoRA stays off the vision side unless vision.train asks (train/vision.py).
+        self.no_lora_prefixes = tuple(f"{p}." for p in self.vision.values())
+
+    def embed(self, input_ids_T: torch.Tensor, images: dict[str, torch.Tensor] | None = None):
+        """(T, D) input embeddings, image features in the rows `images["image_rows"]` names."""
+        x_TD = self.input_embeddings()(input_ids_T)
+        if images is None:
+            return x_TD
+        feats_PD = self.image_features(images)
+        rows_P = images["image_rows"]
+        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
+            raise ValueError(
+                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
+                "image tokens; the data's image processor does not match this model"
+            )
+        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+
+    def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(P, D): the tower and projector over every image of the batch, in order."""
+        kwargs = {k: v for k, v in images.items() if k != "image_rows"}
+        pixels = kwargs.pop("pixel_values")
+        dtype = next(self.hf.parameters()).dtype
+        out = self.hf.model.get_image_features(
+            pixel_values=pixels.to(dtype), return_dict=True, **kwargs
+        )
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (list, tuple)):
+            feats = torch.cat(list(feats))
+        return feats.reshape(-1, feats.shape[-1])
+
+
+def _auto_class():
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
+
+
+def build(cfg: Any, trust_remote_code: bool = False) -> GenericImageTextLM:
+    """transformers' image-text model of `cfg`, randomly initialised (generic.build)."""
+    return generic.build(cfg, trust_remote_code, _auto_class(), GenericImageTextLM)
+
+
+def load(hf, folder, dtype, device, quantize, source, trust_remote_code=False):
+    """transformers' `from_pretrained` of the image-text model (generic.load)."""
+    return generic.load(
+        hf, folder, dtype, device, quantize, source, trust_remote_code, _auto_class(),
+        GenericImageTextLM,
+    )  # fmt: skip
+
+
+SPEC = FamilySpec("generic_vision", config_from_hf, build, WeightMap, load)

@@ -1,0 +1,92 @@
+"""Tiny random image-text checkpoints with their processors, built offline for tests: a
+byte-level BPE tokenizer with the model's image tokens added and a chat template that prints
+image parts, the model type's processor (or, where its class needs torchvision, its image
+processor alone), and the model from transformers' config classes, float32.
+
+`vlm_folder(out, kind)` writes a folder `load_model`, `AutoProcessor` and
+`AutoModelForImageTextToText` read; `random_image(h, w, seed)` a PIL image;
+`write_images(folder, sizes)` PNG files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from helpers.tokenizers import save_test_tokenizer
+
+# A ChatML template over content parts: `image` parts print PLACEHOLDER.
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ 'PLACEHOLDER' }}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
+TEXT = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.2,
+)  # fmt: skip
+
+
+def random_image(height: int, width: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+
+
+def write_images(folder: Path, sizes: list[tuple[int, int]]) -> list[str]:
+    """PNG files img{i}.png of these (height, width) in `folder`; their names."""
+    names = []
+    for i, (h, w) in enumerate(sizes):
+        names.append(f"img{i}.png")
+        random_image(h, w, seed=i).save(folder / names[-1])
+    return names
+
+
+def _tokenizer(out: Path, tokens: list[str], placeholder: str):
+    from transformers import AutoTokenizer
+
+    save_test_tokenizer(out, "chatml", vocab_size=300)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.chat_template = TEMPLATE.replace("PLACEHOLDER", placeholder)
+    return tok
+
+
+def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
+    """A saved tiny `kind` checkpoint with processor files (module docstring)."""
+    import transformers
+
+    out = Path(out)
+    if kind == "llava":
+        tok = _tokenizer(out, ["<image>"], "<image>")
+        image = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        )
+        processor = transformers.LlavaProcessor(
+            image_processor=image, tokenizer=tok, patch_size=7, num_additional_image_tokens=1,
+            vision_feature_select_strategy="default", chat_template=tok.chat_template,
+        )  # fmt: skip
+        vision = transformers.CLIPVisionConfig(**VISION, image_size=28, patch_size=7)
+        config = transformers.LlavaConfig(
+            vision_config=vision.to_dict(),
+            text_config=transformers.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+            image_token_index=tok.convert_tokens_to_ids("<image>"),
+            projector_hidden_act="gelu", vision_feature_layer=-1,
+        )  # fmt: skip
+    else:
+        raise ValueError(kind)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config).float()
+    model.save_pretrained(out)
+    (out / "slipstream_test.json").write_text(json.dumps({"kind": kind}))
+    return out

@@ -1,0 +1,150 @@
+"""Image-text models on the generic path (models/generic_vision.py), a tiny LLaVA: loss and
+LoRA gradients equal transformers + peft on the same processed conversations, packed equal
+to separate with several images of different sizes, no host sync in a training step, and
+the adapter loads in peft on AutoModelForImageTextToText with equal logits."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+from helpers.models import randomise_lora_b
+from helpers.tiny_vlm import random_image, vlm_folder
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+
+import slipstream
+from slipstream.data import collate, tokenize_rows
+from slipstream.data.vision import ImageProcessing, image_inputs
+from slipstream.ops.packing import SeqInfo
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    folder = vlm_folder(tmp_path_factory.mktemp("llava"), "llava")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    rows = [
+        _row([(40, 60)], "What is it?", "A red square."),
+        _row([(50, 30), (20, 20)], "Compare them.", "The first one is bigger."),
+        _row([(9, 70)], "Describe.", "Stripes."),
+    ]
+    examples, _ = tokenize_rows(rows, tok, max_tokens=512, images=side)
+    return folder, tok, examples
+
+
+def _row(sizes, text, reply):
+    images = [random_image(h, w, seed=h * w) for h, w in sizes]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return {
+        "messages": [
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": reply},
+        ],
+        "images": images,
+    }
+
+
+def _hf(folder):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_forward(hf, ex):
+    ids = torch.tensor([ex.input_ids])
+    labels = torch.tensor([[i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)]])
+    out = hf(input_ids=ids, pixel_values=ex.images["pixel_values"], labels=labels)
+    return out, int((labels[0, 1:] != -100).sum())
+
+
+def _ours(model, examples, **kw):
+    b = collate(examples)
+    images = image_inputs(b.fields)
+    return model.loss(b.input_ids, b.labels, b.seq, label_positions=b.label_positions,
+                      images=images, **kw)  # fmt: skip
+
+
+def test_loss_and_lora_grads_equal_transformers_and_peft(llava, tmp_path):
+    folder, _, examples = llava
+    ours = slipstream.load_model(folder)
+    assert type(ours).__name__ == "GenericImageTextLM" and "image-text" in ours.load_path
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    assert wrapped and not [n for n in wrapped if "vision" in n or "projector" in n]
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    loss = _ours(ours, examples, reduction="sum")
+    loss.backward()
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True)
+    assert not [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)
+                and ("vision" in n or "projector" in n)]  # fmt: skip
+    ref = 0
+    for ex in examples:
+        out, n = _hf_forward(peft_model, ex)
+        ref = ref + out.loss * n
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    theirs = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert len(grads) == 2 * len(wrapped)
+    for name, grad in grads.items():
+        key = name.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+        torch.testing.assert_close(grad, theirs[key].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_equals_separate_with_images_of_different_sizes(llava):
+    folder, _, examples = llava
+    model = slipstream.load_model(folder).eval()
+    with torch.no_grad():
+        b = collate(examples)
+        packed = model(b.input_ids, b.seq, images=image_inputs(b.fields))
+        alone = [model(collate([ex]).input_ids, collate([ex]).seq,
+                       images=image_inputs(collate([ex]).fields)) for ex in examples]  # fmt: skip
+        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        hf = _hf(folder)
+        ex = examples[1]  # two images
+        expected = hf(
+            input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.images["pixel_values"]
+        )
+        torch.testing.assert_close(alone[1], expected.logits[0], rtol=1e-4, atol=1e-5)
+        # The images matter: without them the logits differ.
+        text_only = model(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]))
+        assert (text_only - alone[1]).abs().max() > 1e-3
+
+
+def test_no_host_sync_in_a_training_step(llava):
+    folder, _, examples = llava
+    model = slipstream.load_model(folder)
+    slipstream.apply_lora(model, rank=4, alpha=8)
+    batch = collate(examples).to("cpu")
+    images = image_inputs(batch.fields)
+    with slipstream.count_syncs() as syncs:
+        loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum",
+                          label_positions=batch.label_positions, images=images)  # fmt: skip
+        loss.backward()
+    assert syncs.total == 0, syncs
+
+
+def test_adapter_loads_in_peft_with_equal_logits_on_images(llava, tmp_path):
+    folder, _, examples = llava
+    ours = slipstream.load_model(folder)
+    slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert isinstance(cfg["target_modules"], str)  # a regex: the tower's q/k/v/fc1 excluded
+    hf = _hf(folder)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    ex = examples[1]
+    with torch.no_grad():
+        got = ours.eval()(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
+                          images=image_inputs(collate([ex]).fields))  # fmt: skip
+        expected = peft_model(input_ids=torch.tensor([ex.input_ids]),
+                              pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+        base = hf(input_ids=torch.tensor([ex.input_ids]),
+                  pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (base - expected).abs().max() > 1e-3  # the adapter changed the output

@@ -1,0 +1,91 @@
+"""Image+text runs through the CLI on a tiny LLaVA: `slipstream preview` shows each image's
+size after resizing and its feature rows; `slipstream train` trains LoRA on the language
+model from a jsonl whose image paths are relative to it, and the adapter loads in peft on
+AutoModelForImageTextToText; a data file whose every image is missing is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+import yaml
+from helpers.tiny_vlm import vlm_folder, write_images
+from peft import PeftModel
+
+from slipstream import cli
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision_run")
+    folder = vlm_folder(root / "model", "llava")
+    (root / "data" / "pics").mkdir(parents=True)
+    names = write_images(root / "data" / "pics", [(40, 60), (30, 30), (12, 50)])
+    rows = []
+    for i in range(12):
+        pics = [f"pics/{names[i % 3]}"] + ([f"pics/{names[(i + 1) % 3]}"] if i % 2 else [])
+        parts = [{"type": "image"} for _ in pics] + [{"type": "text", "text": "Which is it?"}]
+        reply = f"It is picture {i % 3}."
+        turns = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+        rows.append({"messages": turns, "images": pics})
+    data = root / "data" / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, data, root
+
+
+def _config(run_dir, out, **train):
+    folder, data, root = run_dir
+    raw = {
+        "model": {"path": str(folder)},
+        "data": {"train": str(data)},
+        "train": {
+            "finetune": "lora",
+            "lr": 1e-2,
+            "steps": 2,
+            "tokens_per_batch": 256,
+            "log_every": 1,
+            "device": "cpu",
+            **train,
+        },  # fmt: skip
+        "lora": {"rank": 4, "alpha": 8},
+        "output_dir": str(out),
+    }
+    path = root / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_preview_shows_image_sizes_and_rows(run_dir, tmp_path, capsys):
+    assert cli.main(["preview", str(_config(run_dir, tmp_path / "out"))]) == 0
+    out = capsys.readouterr().out
+    assert "<image 1: 28x28, rows " in out and "rows 12: kept 12, skipped 0" in out
+    assert "<image><image>" not in out  # the feature rows are one marker, not 16 tokens
+
+
+def test_train_then_the_adapter_loads_in_peft_on_the_image_text_model(run_dir, tmp_path):
+    folder, _, _ = run_dir
+    out = tmp_path / "out"
+    assert cli.main(["train", str(_config(run_dir, out))]) == 0
+    losses = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in losses if "loss" in r] == [1, 2]
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, out)
+    assert not [n for n, _ in peft_model.named_modules() if "vision_tower" in n and "lora_A" in n]
+    # The processor files travel with the adapter: the run folder holds the whole processor.
+    processor = transformers.AutoProcessor.from_pretrained(out)
+    assert processor.image_token == "<image>" and processor.patch_size == 7
+
+
+def test_missing_images_are_one_line_exit_2(run_dir, tmp_path, capsys):
+    folder, data, root = run_dir
+    bad = root / "elsewhere.jsonl"  # the same rows, away from their pictures
+    bad.write_text(data.read_text())
+    raw = yaml.safe_load(_config(run_dir, tmp_path / "out").read_text())
+    raw["data"]["train"] = str(bad)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["preview", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "image_missing 12" in err[0] and "pics/img0.png" in err[0]
