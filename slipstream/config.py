@@ -36,7 +36,13 @@ from pydantic import (
 
 from slipstream.config_section import Section as _Section
 from slipstream.config_section import option as _opt
-from slipstream.config_sections import DataSection, LoraSection, ModelSection, TrainSection
+from slipstream.config_sections import (
+    DataSection,
+    LoraSection,
+    ModelSection,
+    TrainSection,
+    VisionSection,
+)
 from slipstream.objectives import (  # names and sections only: no torch import
     objective_sections,
     section_key,
@@ -85,6 +91,10 @@ def _compose() -> type[_Run]:
             Field(LoraSection(), description="the adapters (train.finetune=lora)"),
         ),
         "train": (TrainSection, Field(TrainSection(), description="the loop")),
+        "vision": (
+            VisionSection,
+            Field(VisionSection(), description="what trains of an image-text model's vision side"),
+        ),
     }
     for key, section in objective_sections().items():
         fields[key] = (section, Field(section(), description=section.meaning))

@@ -90,6 +90,18 @@ class DataSection(_Section):
         return self
 
 
+VisionTrain = Literal["frozen", "lora", "full"]
+
+
+class VisionSection(_Section):
+    tower: VisionTrain = _opt(
+        "frozen", "image-text models: the vision tower frozen | lora | full (full fine-tuning)"
+    )
+    projector: VisionTrain = _opt(
+        "frozen", "image-text models: the projector into the language model, as tower"
+    )
+
+
 class LoraSection(_Section):
     rank: int = _opt(16, "LoRA rank r", gt=0)
     alpha: float = _opt(32.0, "LoRA alpha (scale alpha / rank)", gt=0)

@@ -148,3 +148,43 @@ def test_adapter_loads_in_peft_with_equal_logits_on_images(llava, tmp_path):
                   pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert (base - expected).abs().max() > 1e-3  # the adapter changed the output
+
+
+def test_vision_lora_adapter_wraps_the_tower_and_loads_in_peft(llava, tmp_path):
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    folder, _, examples = llava
+    ours = slipstream.load_model(folder)
+    vision_training(ours, VisionSection(tower="lora"), "lora", before_lora=True)
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    assert [n for n in wrapped if "vision_tower" in n] and not [
+        n for n in wrapped if "projector" in n
+    ]
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path).eval()
+    theirs = [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)]
+    assert len(theirs) == len(wrapped) and [n for n in theirs if "vision_tower" in n]
+    ex = examples[1]
+    with torch.no_grad():
+        got = ours.eval()(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
+                          images=image_inputs(collate([ex]).fields))  # fmt: skip
+        expected = peft_model(input_ids=torch.tensor([ex.input_ids]),
+                              pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_vision_settings_under_full_fine_tuning_and_their_errors(llava):
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    folder, _, _ = llava
+    model = slipstream.load_model(folder)
+    model.requires_grad_(True)
+    vision_training(model, VisionSection(projector="full"), "full", before_lora=False)
+    trains = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad}
+    assert trains == {"multi_modal_projector", "language_model", "weight"}  # lm_head.weight
+    with pytest.raises(ValueError, match="vision.tower=full with train.finetune=lora"):
+        vision_training(model, VisionSection(tower="full"), "lora", before_lora=True)

@@ -152,6 +152,7 @@ def build_model(
             from slipstream.peft.lora import merge_lora
 
             merge_lora(model)
+    vision_training(model, cfg.vision, cfg.train.finetune, before_lora=True)
     if cfg.train.finetune == "lora" and cfg.model.adapter is None:
         from slipstream.peft.lora import apply_lora
 
@@ -167,6 +168,7 @@ def build_model(
             apply_embedding_training(model, rows=rows, full=lo.train_embeddings)
     elif cfg.train.finetune == "full":
         model.requires_grad_(True)
+    vision_training(model, cfg.vision, cfg.train.finetune, before_lora=False)
     # Not under compile (dynamo cannot trace oneDNN's packed weights) nor FSDP2 (shards).
     prepack = not cfg.train.compile and cfg.train.parallel != "fsdp"
     if cfg.train.prepack and prepack and device.type == "cpu":
@@ -274,3 +276,28 @@ def report_dict(report: Any) -> Any:
     if dataclasses.is_dataclass(report):
         return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(report).items()}
     return report if isinstance(report, dict) else str(report)
+
+
+def vision_training(model: Any, vision: Any, finetune: str, before_lora: bool) -> None:
+    """`vision.tower` / `vision.projector` of an image-text model: before LoRA, which parts
+    LoRA may wrap (lora: yes); after, under full fine-tuning, which parts train (frozen: no).
+    `full` beside LoRA (peft's modules_to_save of the tower) is not supported yet."""
+    parts = getattr(model, "vision", None) or {}  # {part: module path}: image-text models
+    modes = {"tower": vision.tower, "projector": vision.projector}
+    asked = {part: mode for part, mode in modes.items() if mode != "frozen"}
+    if not parts and asked:
+        raise ValueError(
+            f"vision.{next(iter(asked))}={next(iter(asked.values()))}: this model has no "
+            "vision side; drop the vision settings"
+        )
+    for part, mode in asked.items():
+        if (mode == "lora") != (finetune == "lora"):
+            raise ValueError(
+                f"vision.{part}={mode} with train.finetune={finetune} is not supported: use "
+                f"vision.{part}={'lora' if finetune == 'lora' else 'full'} or frozen"
+            )
+    if before_lora:
+        model.no_lora_prefixes = tuple(f"{parts[p]}." for p in parts if modes[p] != "lora")
+    elif finetune == "full":
+        for part, path in parts.items():
+            model.get_submodule(path).requires_grad_(modes[part] == "full")
