@@ -188,3 +188,39 @@ def test_vision_settings_under_full_fine_tuning_and_their_errors(llava):
     assert trains == {"multi_modal_projector", "language_model", "weight"}  # lm_head.weight
     with pytest.raises(ValueError, match="vision.tower=full with train.finetune=lora"):
         vision_training(model, VisionSection(tower="full"), "lora", before_lora=True)
+
+
+def test_greedy_generation_with_images_equals_transformers_generate(llava):
+    folder, tok, _ = llava
+    model = slipstream.load_model(folder)
+    prompts = [
+        [{"role": "user", "content": [{"type": "image", "image": random_image(40, 60)},
+                                      {"type": "text", "text": "What is it?"}]}],
+        [{"role": "user", "content": "Hello there"}],  # a text prompt in the same batch
+        [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                      {"type": "image", "image": random_image(30, 20, 1)},
+                                      {"type": "image", "image": random_image(9, 70, 2)}]}],
+    ]  # fmt: skip
+    got = slipstream.generate(model, prompts, tokenizer=tok, max_new_tokens=6, stop=[])
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    hf = _hf(folder)
+    for c, messages in zip(got, prompts):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        content = messages[0]["content"]
+        images = [p["image"] for p in content if isinstance(p, dict) and p["type"] == "image"]
+        inputs = processor(text=[text], images=images or None, add_special_tokens=False,
+                           return_tensors="pt")  # fmt: skip
+        out = hf.generate(**inputs, max_new_tokens=6, do_sample=False)
+        expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert c.token_ids == expected[: len(c.token_ids)] and c.token_ids
+
+
+def test_image_prompts_on_a_text_model_are_one_line(tmp_path):
+    from helpers.runs import make_tiny_run
+
+    model_dir, _ = make_tiny_run(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = slipstream.load_model(model_dir)
+    prompt = [{"role": "user", "content": [{"type": "image", "image": random_image(9, 9)}]}]
+    with pytest.raises(ValueError, match="prompt 0 has images but the model takes none"):
+        slipstream.generate(model, [prompt], tokenizer=tok, max_new_tokens=2)

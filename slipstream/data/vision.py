@@ -143,7 +143,44 @@ class ImageProcessing:
         """One image row as an ImageExample (module docstring); RowError for a bad row."""
         messages, images = vision_messages(row)
         processed = [self.process(image) for image in images]
-        replacements = [text for _, text, _ in processed]
+        expand = self._expander([text for _, text, _ in processed])
+        self._check_count(_render(tokenizer, messages), len(images))
+        ex = encode_chat(tokenizer, messages, train_on, expand=expand)
+        return self._example(tokenizer, ex.input_ids, ex.trainable, processed)
+
+    def encode_prompt(self, messages: list[dict], tokenizer: Any) -> ImageExample:
+        """A chat prompt with image parts, rendered with the generation prompt, as an
+        ImageExample (no targets): what `slipstream.generate` prefills."""
+        messages, images = vision_messages({"messages": messages})
+        processed = [self.process(image) for image in images]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        self._check_count(text, len(images))
+        expanded = self._expander([t for _, t, _ in processed])(text)
+        ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        return self._example(tokenizer, ids, [False] * len(ids), processed)
+
+    def _check_count(self, text: str, images: int) -> None:
+        if text.count(self.placeholder) != images:
+            raise RowError(
+                "image_count",
+                f"the chat template printed {text.count(self.placeholder)} image placeholders "
+                f"({self.placeholder!r}) for {images} images",
+            )
+
+    def _example(self, tokenizer, ids, trainable, processed) -> ImageExample:
+        sequences = [self._ids(tokenizer, text) for _, text, _ in processed]
+        # The special tokens of an image's sequence are never targets (an image in a reply).
+        image_ids = {i for seq_ids in sequences for i in seq_ids if i in self.added_ids}
+        trainable = [t and i not in image_ids for i, t in zip(ids, trainable)]
+        inputs = {
+            k: torch.cat([p[k] for p, _, _ in processed]) for k in processed[0][0]
+        }  # every image of one model has the same inputs
+        counts = [seq_ids.count(self.image_token_id) for seq_ids in sequences]
+        sizes = [size for *_, size in processed]
+        return ImageExample(list(ids), trainable, inputs, self.image_token_id, sizes, counts)
+
+    def _expander(self, replacements: list[str]) -> Callable[[str], str]:
+        """A text's placeholders replaced in order by `replacements` (one per image)."""
 
         def expand(text: str) -> str:
             pieces = text.split(self.placeholder)
@@ -158,25 +195,7 @@ class ImageProcessing:
                 out += [replacements[k], piece]
             return "".join(out)
 
-        full = _render(tokenizer, messages)
-        if full.count(self.placeholder) != len(images):
-            raise RowError(
-                "image_count",
-                f"the chat template printed {full.count(self.placeholder)} image placeholders "
-                f"({self.placeholder!r}) for {len(images)} images",
-            )
-        ex = encode_chat(tokenizer, messages, train_on, expand=expand)
-        sequences = [self._ids(tokenizer, r) for r in replacements]
-        # The special tokens of an image's sequence are never targets (an image in a reply).
-        image_ids = {i for ids in sequences for i in ids if i in self.added_ids}
-        trainable = [t and i not in image_ids for i, t in zip(ex.input_ids, ex.trainable)]
-        inputs = {
-            k: torch.cat([p[k] for p, _, _ in processed]) for k in processed[0][0]
-        }  # every image of one model has the same inputs
-        counts = [ids.count(self.image_token_id) for ids in sequences]
-        return ImageExample(
-            ex.input_ids, trainable, inputs, self.image_token_id, [s for *_, s in processed], counts
-        )
+        return expand
 
     def _ids(self, tokenizer: Any, text: str) -> list[int]:
         if text not in self._sequence_ids:
@@ -193,14 +212,21 @@ def _config_json(folder: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:
-    """Add the images of packed examples ((first token's position, example) each) to a
-    batch: every model input concatenated in order, and `image_rows` (P,) int64, the packed
-    positions their features fill (a host scan: the model never looks for placeholder ids)."""
+def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, torch.Tensor]:
+    """The image inputs of packed examples ((first token's position, example) each): every
+    model input concatenated in order, and `image_rows` (P,) int64, the packed positions
+    their features fill (a host scan: the model never looks for placeholder ids)."""
     rows = [start + t for start, ex in examples for t in ex.feature_rows()]
-    builder.put("image_rows", torch.tensor(rows, dtype=torch.int64))
+    out = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
     for name in examples[0][1].images:
-        builder.put(name, torch.cat([ex.images[name] for _, ex in examples]))
+        out[name] = torch.cat([ex.images[name] for _, ex in examples])
+    return out
+
+
+def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:
+    """`packed_images` as whole-tensor fields of a batch being built."""
+    for name, tensor in packed_images(examples).items():
+        builder.put(name, tensor)
 
 
 def image_inputs(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

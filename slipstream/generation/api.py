@@ -71,7 +71,15 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
     slipstream eval stops where transformers' generate does)."""
     check_options(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences)
     sampling = Sampling(float(temperature), float(top_p), int(top_k))
-    ids = [prompt_ids(p, tokenizer, i) for i, p in enumerate(_check_prompts(prompts))]
+    from slipstream.generation.images import image_prompts, packed_prompt_images
+
+    prompts = _check_prompts(prompts)
+    with_images = image_prompts(model, prompts, tokenizer)  # chat prompts with image parts
+    ids = [
+        with_images[i].input_ids if i in with_images else prompt_ids(p, tokenizer, i)
+        for i, p in enumerate(prompts)
+    ]
+    images = packed_prompt_images(with_images, [len(p) for p in ids])
     context = model.config.hf.get("max_position_embeddings")
     for i, p in enumerate(ids):
         if context is not None and len(p) >= context:
@@ -92,7 +100,7 @@ def generate_rows(model, prompts, *, tokenizer=None, max_new_tokens=256, tempera
                       max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                       find_stop=texts.find_stop if stop_strings else None,
                       max_positions=context, generator=generator, check_every=check_every,
-                      on_check=on_check, logprobs=return_logprobs)  # fmt: skip
+                      on_check=on_check, logprobs=return_logprobs, images=images)  # fmt: skip
     return [
         Completion(
             prompt_index=r.prompt_index,

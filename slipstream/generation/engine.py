@@ -74,12 +74,14 @@ def run(
     check_every: int = CHECK_EVERY,
     on_check: Callable[[list[Row]], None] | None = None,
     logprobs: bool = True,
+    images: dict | None = None,
 ) -> list[Row]:
     """Generate for each prompt `samples_per_prompt` times -> rows, prompt-major.
 
     `on_check(rows)` is called after each stop check (streaming). `max_positions` caps
     prompt + generated tokens (the model's context). `logprobs=False` skips computing them
-    (the rows' `logprobs` are then zeros)."""
+    (the rows' `logprobs` are then zeros). `images`: the packed image inputs of the prompts
+    (generation/images.py), written into their rows at the prefill."""
     n = samples_per_prompt
     rows = []
     for i, p in enumerate(prompts):
@@ -87,6 +89,8 @@ def run(
         rows += [Row(i, len(p), min(max_new_tokens, room)) for _ in range(n)]
     hf_engine.say_engine(model)
     if hf_engine.stateful_layers(model):  # transformers' generate: its caches hold the state
+        if images is not None:
+            raise ValueError("generation with images on a model with stateful layers: not yet")
         return hf_engine.run(
             model, prompts, rows, check=_check, sampling=sampling, stop_ids=stop_ids,
             find_stop=find_stop, generator=generator, check_every=check_every,
@@ -97,17 +101,17 @@ def run(
     try:
         with packed_linears(model, model.lm_head_weight(), len(rows)) as lm_head:
             return _run(model, lm_head, prompts, rows, n, sampling, set(stop_ids), find_stop,
-                        generator, check_every, on_check, logprobs)  # fmt: skip
+                        generator, check_every, on_check, logprobs, images)  # fmt: skip
     finally:
         model.train(was_training)
 
 
 def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, generator, K, on_check,
-         want_lp):  # fmt: skip
+         want_lp, images=None):  # fmt: skip
     device = model.input_embeddings().weight.device
     steps = max(r.limit for r in rows)
     cache = KVCache.for_model(model, len(prompts), max(map(len, prompts)) + steps)
-    logits_BV = _prefill(model, cache, prompts, lm_head, device)
+    logits_BV = _prefill(model, cache, prompts, lm_head, device, images)
     if n > 1:
         repeat = torch.arange(len(prompts), device=device).repeat_interleave(n)
         cache.keep_rows(repeat)
@@ -155,13 +159,18 @@ def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, genera
     return rows
 
 
-def _prefill(model, cache: KVCache, prompts, lm_head, device) -> torch.Tensor:
-    """Packed forward of the prompts into the cache -> logits (N, V) at each prompt's end."""
+def _prefill(model, cache: KVCache, prompts, lm_head, device, images=None) -> torch.Tensor:
+    """Packed forward of the prompts into the cache -> logits (N, V) at each prompt's end
+    (`images`: their image inputs, features written into their rows)."""
     seq = SeqInfo.from_lengths([len(p) for p in prompts], device)
     step_kv = Prefill(cache, seq, list(range(len(prompts))))
     seq.kv = step_kv
     ids_T = torch.tensor([t for p in prompts for t in p]).to(device, non_blocking=True)
-    h_TD = model.hidden_states(ids_T, seq)
+    if images is None:
+        h_TD = model.hidden_states(ids_T, seq)
+    else:
+        images = {k: v.to(device, non_blocking=True) for k, v in images.items()}
+        h_TD = model.hidden_states(ids_T, seq, images=images)
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1
     return lm_head(h_TD.index_select(0, last_N))
