@@ -156,6 +156,8 @@ def add_generation_commands(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="prompts a batch (batch mode)")
     p.add_argument("--logprobs", action="store_true", help="write each token's log-prob")
     p.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image before the prompt's text (repeatable)")  # fmt: skip
     p.set_defaults(run=gen.cmd_generate)
 
     p = sub.add_parser(

@@ -89,3 +89,27 @@ def test_missing_images_are_one_line_exit_2(run_dir, tmp_path, capsys):
     assert cli.main(["preview", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "image_missing 12" in err[0] and "pics/img0.png" in err[0]
+
+
+def test_generate_with_image_from_the_run_folder(run_dir, tmp_path, capsys):
+    folder, data, _ = run_dir
+    out = tmp_path / "out"
+    assert cli.main(["train", str(_config(run_dir, out))]) == 0
+    image = str(data.parent / "pics" / "img1.png")
+    capsys.readouterr()
+    argv = ["generate", str(out), "Which is it?", "--image", image, "--max-new-tokens", "5"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    import slipstream
+    from slipstream.checkpoint.adapter import load_adapter
+
+    model = load_adapter(slipstream.load_model(folder), out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = [{"role": "user", "content": [{"type": "image", "path": image},
+                                           {"type": "text", "text": "Which is it?"}]}]  # fmt: skip
+    (c,) = slipstream.generate(model, [prompt], tokenizer=tok, max_new_tokens=5)
+    assert printed == c.text.strip()
+    capsys.readouterr()
+    assert cli.main(["generate", str(out), "hi", "--image", "nope.png"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--image nope.png: no such image file" in err[0]

@@ -4,8 +4,9 @@ flags, the jsonl formats.
 
 Every flag and every input row is checked before a model loads. jsonl in: one object a line
 with `prompt` (a user message: the chat template is applied unless --raw), `messages` (a
-chat) or `input_ids`, and any other fields (an "id"). jsonl out: one object a completion, the
-input row's fields and `{"line", "sample", "text", "token_ids", "finish_reason"}` (+
+chat; image parts' paths relative to the file) or `input_ids`, and any other fields (an
+"id"); `--image PATH` puts images before the one prompt's text. jsonl out: one object a
+completion, the input row's fields and `{"line", "sample", "text", "token_ids", "finish_reason"}` (+
 `logprobs` with --logprobs), written batch by batch into OUT.partial and renamed to OUT when
 every prompt is done (after a failure or Ctrl-C, OUT.partial holds the finished prompts).
 """
@@ -95,22 +96,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--input needs --output FILE.jsonl for the completions")
     if args.input is None and args.output is not None:
         raise ValueError("--output is for a file of prompts: give --input FILE.jsonl too")
+    images = getattr(args, "image", None) or []
+    if images and args.input is not None:
+        raise ValueError("--image is for one prompt; in a jsonl file give image parts")
+    for path in images:
+        if not Path(path).expanduser().is_file():
+            raise ValueError(f"--image {path}: no such image file")
     if args.input is None:
         model, tokenizer = load(args)
         from slipstream.generation.api import as_prompt, generate_rows
 
         prompt = as_prompt(args.prompt, tokenizer, args.raw)
+        if images:  # a user turn of image parts, then the text
+            parts = [{"type": "image", "path": str(Path(p).expanduser())} for p in images]
+            prompt = [{"role": "user", "content": [*parts, {"type": "text", "text": args.prompt}]}]
         for c in generate_rows(model, [prompt], **generate_kwargs(args, tokenizer)):
             print(c.text.strip())
         return 0
     rows = read_jsonl(Path(args.input))
     out = output_path(args.output)
     from slipstream.checkpoint.atomic import staged_file
+    from slipstream.data.images import images_relative_to
 
     with staged_file(out) as f:  # opened before the model loads, so nothing waits on it
         model, tokenizer = load(args)
         prompts = [row_prompt(row, tokenizer, args.raw) for _, row in rows]
-        written = write_completions(model, prompts, rows, f, args, generate_kwargs(args, tokenizer))
+        with images_relative_to(args.input):  # image parts' paths are relative to the file
+            kw = generate_kwargs(args, tokenizer)
+            written = write_completions(model, prompts, rows, f, args, kw)
     print(f"slipstream: {written} completions of {len(prompts)} prompts written to {out}")
     return 0
 
