@@ -224,3 +224,22 @@ def test_image_prompts_on_a_text_model_are_one_line(tmp_path):
     prompt = [{"role": "user", "content": [{"type": "image", "image": random_image(9, 9)}]}]
     with pytest.raises(ValueError, match="prompt 0 has images but the model takes none"):
         slipstream.generate(model, [prompt], tokenizer=tok, max_new_tokens=2)
+
+
+def test_merged_export_is_a_complete_image_text_checkpoint(llava, tmp_path):
+    folder, tok, examples = llava
+    ours = slipstream.load_model(folder)
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    randomise_lora_b(ours)
+    ex = examples[0]
+    images = image_inputs(collate([ex]).fields)
+    with torch.no_grad():
+        expected = ours.eval()(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
+                               images=images)  # fmt: skip
+    slipstream.export_merged(ours, tmp_path / "merged", tokenizer=tok)
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path / "merged")
+    assert processor.image_token == "<image>"
+    back = _hf(tmp_path / "merged")
+    with torch.no_grad():
+        got = back(input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.images["pixel_values"])
+    torch.testing.assert_close(got.logits[0], expected, rtol=1e-4, atol=1e-5)
