@@ -76,25 +76,46 @@ def slipstream_attention(
     return o_THD[None], None
 
 
+def is_standard_experts(module: nn.Module | None) -> bool:
+    """Whether `module` is a transformers experts module (dispatching through its
+    ExpertsInterface) with the standard stacked layout: `gate_up_proj` (E, 2I, D) [gate; up],
+    `down_proj` (E, D, I), no biases, not transposed, no post-expert norm."""
+    return bool(
+        getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+        and not module.has_bias and not module.is_transposed
+        and not module.has_post_expert_norm and not module._is_expert_parallel
+    )  # fmt: skip
+
+
+def one_pass(
+    experts: nn.Module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+    delta=None,
+) -> torch.Tensor:  # fmt: skip
+    """Standard stacked experts over ops.moe's one pass (stable sort, counts by scatter_add,
+    grouped GEMMs over device offsets, no host sync). `delta(name, x_RI, plan)`, when given,
+    is added to each projection's output (expert LoRA: peft/lora_experts.py)."""
+    p = plan(ids_TK, experts.num_experts)
+    x_RD = permute(x_TD, p)
+    h_RF = grouped_mm(x_RD, experts.gate_up_proj.transpose(1, 2), p.offsets_E)
+    if delta is not None:
+        h_RF = h_RF + delta("gate_up_proj", x_RD, p)
+    a_RI = experts._apply_gate(h_RF)
+    y_RD = grouped_mm(a_RI, experts.down_proj.transpose(1, 2), p.offsets_E)
+    if delta is not None:
+        y_RD = y_RD + delta("down_proj", a_RI, p)
+    return unpermute(y_RD, p, weights_TK.to(y_RD.dtype)).to(x_TD.dtype)
+
+
 def slipstream_experts(
     self: nn.Module, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' experts-function signature over ops.moe's one pass (stable sort, counts
-    by scatter_add, grouped GEMMs over device offsets, no host sync) for the standard stacked
-    layout: `gate_up_proj` (E, 2I, D) [gate; up], `down_proj` (E, D, I), no biases. Other
-    layouts run transformers' own grouped_mm forward."""
-    standard = (
-        self.has_gate and self.is_concatenated and not self.has_bias and not self.is_transposed
-        and not self.has_post_expert_norm and not self._is_expert_parallel
-    )  # fmt: skip
-    if not standard:
+    """transformers' experts-function signature over `one_pass` for the standard stacked
+    layout; other layouts run transformers' own grouped_mm forward."""
+    if not is_standard_experts(self):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, x_TD, ids_TK, weights_TK)
-    p = plan(ids_TK, self.num_experts)
-    h_RF = grouped_mm(permute(x_TD, p), self.gate_up_proj.transpose(1, 2), p.offsets_E)
-    y_RD = grouped_mm(self._apply_gate(h_RF), self.down_proj.transpose(1, 2), p.offsets_E)
-    return unpermute(y_RD, p, weights_TK.to(y_RD.dtype)).to(x_TD.dtype)
+    return one_pass(self, x_TD, ids_TK, weights_TK)
 
 
 def register() -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models.generic_hooks import is_standard_experts
 from slipstream.ops.moe import moe, router_stats
 
 
@@ -71,6 +72,20 @@ class MoEBlock(nn.Module):
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+def expert_blocks(model: nn.Module) -> list[nn.Module]:
+    """The MoE blocks whose `.experts` expert LoRA can wrap (wrapped ones too: the original is
+    then `.experts.base_layer`): native `MoEBlock`s, and on the generic path transformers'
+    blocks whose experts have the standard stacked layout (generic_hooks.is_standard_experts)."""
+
+    def standard(m: nn.Module) -> bool:
+        experts = getattr(m, "experts", None)
+        return isinstance(experts, nn.Module) and is_standard_experts(
+            getattr(experts, "base_layer", experts)
+        )
+
+    return [m for m in model.modules() if isinstance(m, MoEBlock) or standard(m)]
 
 
 def has_router_loss(model: nn.Module) -> bool:

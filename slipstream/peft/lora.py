@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slipstream.models.moe_block import Router, moe_blocks
+from slipstream.models.moe_block import Router, expert_blocks
 from slipstream.peft.dora import DoRALinear
 from slipstream.peft.embeddings import merge_trainable_tokens
 from slipstream.peft.lora_experts import experts_paths, merge_expert_lora, wrap_experts
@@ -103,19 +103,20 @@ def apply_lora(
     plus a Gated DeltaNet's projections (DELTANET_TARGETS) where the model has them.
     use_dora: DoRA's trained magnitude per output row on each wrapped linear (peft/dora.py).
     """
-    if targets is None and getattr(model.config, "implementation", "") == "transformers":
+    generic = getattr(model.config, "implementation", "") == "transformers"
+    has_experts = bool(expert_blocks(model))
+    if targets is None and generic:
         # transformers' module names vary (fc1/dense, ...): the default names the model has,
-        # else every linear but the head. On a MoE model attention only: peft 0.21 reads
-        # gate/up/down_proj there as its stacked experts' parameters too (Qwen3-Next: it
-        # put LoRA on `mlp.experts` and none on the shared expert), which expert LoRA on
-        # the generic path does not do yet.
+        # else every linear but the head. On a MoE model the MLP names reach the stacked
+        # experts (as natively) where they have the standard layout; other experts get none.
         # A model with none: every linear but the head and those inside stateful token
         # mixers (peft refuses Mamba's out_proj and conv1d).
         present = linear_names(model)
         names = FUSED_DEFAULT_TARGETS if "qkv_proj" in present else DEFAULT_TARGETS
         moe = any(n.endswith(".experts") for n, _ in model.named_modules())
-        mlp = {"gate_proj", "up_proj", "down_proj", "gate_up_proj"} if moe else set()
-        targets = [t for t in names if t in present and t not in mlp]
+        mlp = set(EXPERT_TARGET_OF) if moe else set()
+        targets = [t for t in names if (t in present and t not in mlp) or
+                   (t in mlp and has_experts)]  # fmt: skip
         if not targets:
             mixers = tuple(f".{path}." for path in getattr(model, "per_sequence", ()))
             targets = {
@@ -129,8 +130,12 @@ def apply_lora(
             targets = targets + DELTANET_TARGETS
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("LoRA is already applied to this model; apply_lora once per model")
-    has_experts = bool(moe_blocks(model))
     present = linear_names(model)
+    if generic and has_experts:
+        # peft 0.21 turns these names into `target_parameters` of the stacked experts on
+        # transformers' MoE models (dropping them from target_modules), so a shared expert's
+        # or a dense layer's linear of that name would get no LoRA in peft: experts only.
+        present -= set(EXPERT_TARGET_OF)
     if targets == "all-linear":
         linear, experts = (
             present - {"lm_head"},

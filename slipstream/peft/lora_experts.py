@@ -32,7 +32,8 @@ import math
 import torch
 from torch import nn
 
-from slipstream.models.moe_block import moe_blocks
+from slipstream.models.generic_hooks import is_standard_experts, one_pass
+from slipstream.models.moe_block import expert_blocks
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.peft.lora_linear import lora_factor_dtype, lora_modules
 from slipstream.peft.names import EXPERT_TARGETS, expert_keys, model_layout, parameter_targets
@@ -102,6 +103,15 @@ class LoRAExperts(nn.Module):
         return f"targets={self.targets}, rank={self.rank}, alpha={self.alpha}"
 
 
+class LoRAStackedExperts(LoRAExperts):
+    """Expert LoRA on transformers' standard stacked experts (the generic path), called as
+    transformers calls its experts: (x_TD, ids_TK, weights_TK) -> y_TD, through the same one
+    pass (`generic_hooks.one_pass`) as their forward without LoRA."""
+
+    def forward(self, x_TD, ids_TK, weights_TK):
+        return one_pass(self.base_layer, x_TD, ids_TK, weights_TK, self.delta)
+
+
 def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
     """Module path -> LoRAExperts, in model order."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts)}
@@ -109,7 +119,7 @@ def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
 
 def experts_paths(model: nn.Module) -> list[str]:
     """Our module path of each MoE block's experts, in model order."""
-    experts = {id(block.experts) for block in moe_blocks(model)}
+    experts = {id(block.experts) for block in expert_blocks(model)}
     return [name for name, m in model.named_modules() if id(m) in experts]
 
 
@@ -124,7 +134,9 @@ def wrap_experts(
     for path, params in targets.items():
         assert params and set(params) <= set(EXPERT_TARGETS), params
         parent, _, attr = path.rpartition(".")
-        wrapped = LoRAExperts(model.get_submodule(path), params, use_rslora)
+        base = model.get_submodule(path)
+        kind = LoRAStackedExperts if is_standard_experts(base) else LoRAExperts
+        wrapped = kind(base, params, use_rslora)
         setattr(model.get_submodule(parent), attr, wrapped)
         wrapped.lora_A.requires_grad_(True)
         wrapped.lora_B.requires_grad_(True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from torch import nn
 
-from slipstream.models.moe_block import Router, moe_blocks
+from slipstream.models.moe_block import Router, expert_blocks
 from slipstream.peft.lora import LoraTargets, is_router_lora
 from slipstream.peft.lora_experts import LoRAExperts
 from slipstream.peft.lora_linear import LoRALinear
@@ -299,7 +299,7 @@ def adapter_targets(cfg: dict, model: nn.Module, source: Path | str) -> LoraTarg
     linears, experts, routers = {}, {}, {}
     expert_modules = {
         id(b.experts.base_layer if isinstance(b.experts, LoRAExperts) else b.experts)
-        for b in moe_blocks(model)
+        for b in expert_blocks(model)
     }
     params = cfg.get("target_parameters") or []
     if params and not expert_modules:

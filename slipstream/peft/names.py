@@ -66,14 +66,18 @@ def parameter_targets(
 ) -> list[str]:
     """PEFT's `target_parameters` for LoRA on `wrapped` (module path -> parameters) of the
     modules at `paths` (all of the model's of that kind, e.g. every MoE experts module):
-    `<parent>.<module>.<parameter>` (`mlp.experts.gate_up_proj`) where every one has it, else
-    the full path of each that has it."""
+    `<parent>.<module>.<parameter>` (`mlp.experts.gate_up_proj`; `experts.gate_up_proj` where
+    the module hangs off the numbered layer itself, Gemma 4: a layer number would match that
+    layer alone) where every one has it, else the full path of each that has it."""
     names = []
     params = [p for p in (*EXPERT_TARGETS, "weight") if any(p in w for w in wrapped.values())]
     for t in params:
         having = [p for p in paths if t in wrapped.get(p, ())]
         if having == paths:
-            names.append(".".join([*paths[0].split(".")[-2:], t]))
+            parent, module = ([""] + paths[0].split("."))[-2:]
+            names.append(
+                f"{module}.{t}" if parent.isdigit() or not parent else f"{parent}.{module}.{t}"
+            )
         else:
             names += [f"{peft_path(p, layout)}.{t}" for p in having]
     return names
