@@ -164,6 +164,22 @@ def resolve_mode(mode: str, *, method: str, quantization: str, optimizer: str = 
     return mode if world > 1 else "none"
 
 
+def shards_parameters(parallel: dict[str, str] | None) -> bool:
+    """True when a run's `parallel` options (`requested`, `method`, `quantization`,
+    `optimizer`; None: a run without a config) resolve to FSDP2 under torchrun."""
+    if not parallel or world_size() == 1:
+        return False
+    return resolve_mode(parallel["requested"], **{k: v for k, v in parallel.items()
+                                                  if k != "requested"}) == "fsdp"  # fmt: skip
+
+
+def parallel_options(cfg: Any) -> dict[str, str]:
+    """What `shards_parameters` reads of a RunConfig."""
+    t = cfg.train
+    return dict(requested=t.parallel, method=t.finetune, quantization=cfg.model.quantization,
+                optimizer=t.optimizer)  # fmt: skip
+
+
 class _CallWith(nn.Module):
     """DDP reduces the gradients of what runs through its `forward`: this module's forward
     runs `fn(model, *args)` (an objective's loss), so any loss the trainer computes goes

@@ -330,6 +330,32 @@ def test_bad_rows_and_config_are_one_line(tiny, tmp_path, capsys):
     fails(raw, "parallel=ddp")
 
 
+def test_fsdp_from_parallel_auto_is_refused_in_one_line(tiny, tmp_path, monkeypatch):
+    """train.parallel=auto with full fine-tuning resolves to FSDP2 under torchrun: reward and
+    distill refuse it when attached (before any sharding), naming train.parallel=ddp; an
+    explicit fsdp is refused by the config itself."""
+    from slipstream import distributed as dist
+    from slipstream.objectives import build_objective
+    from slipstream.objectives.base import HookContext
+
+    raw = config(tiny, "reward", tmp_path)
+    raw["train"]["finetune"] = "full"
+    teacher = {"teacher": str(tiny["model"]), "lmbda": 0.0}
+    distill = {**raw, "train": {**raw["train"], "objective": "distill"}, "distill": teacher}
+    for case in (raw, distill):
+        cfg = config_from_dict(case)
+        assert cfg.train.parallel == "auto"
+        objective = build_objective(cfg)
+        monkeypatch.setattr(dist, "world_size", lambda: 2)
+        ctx = HookContext(None, None, torch.device("cpu"), seed=0, rank=0, world_size=2)
+        with pytest.raises(ValueError, match="train.parallel=ddp") as e:
+            objective.attach(ctx, None)
+        assert "\n" not in str(e.value) and "fsdp" in str(e.value)
+        monkeypatch.undo()
+        with pytest.raises(ValueError, match="not fsdp"):
+            config_from_dict({**case, "train": {**case["train"], "parallel": "fsdp"}})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["reward", "kto"])
 def test_two_ranks_match_one_process(tiny, tmp_path, name):

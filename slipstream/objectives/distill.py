@@ -35,7 +35,7 @@ import torch
 from slipstream import distributed as dist
 from slipstream.data.packed import PackedView
 from slipstream.objectives.base import HookContext, OnlineObjective
-from slipstream.objectives.distill_config import DistillSection
+from slipstream.objectives.distill_config import FSDP_REFUSAL, DistillSection
 from slipstream.objectives.sft import SFT
 from slipstream.ops.jsd import linear_jsd
 
@@ -76,10 +76,7 @@ class Distill(OnlineObjective):
         if cfg is not None:
             o, t = cfg.distill, cfg.train
             self.dtype, self.prepack, self.budget = cfg.model.dtype, t.prepack, t.tokens_per_batch
-            self.parallel = dict(
-                requested=t.parallel, method=t.finetune,
-                quantization=cfg.model.quantization, optimizer=t.optimizer,
-            )  # fmt: skip
+            self.parallel = dist.parallel_options(cfg)
         else:
             o = DistillSection.from_options("Distill", options)
             self.dtype, self.prepack, self.budget, self.parallel = "auto", False, 1 << 30, None
@@ -91,15 +88,8 @@ class Distill(OnlineObjective):
     # -- the teacher ----------------------------------------------------------------------
     def attach(self, ctx: HookContext, data: Any) -> None:
         """Load the frozen teacher on the run's device and check the vocabularies."""
-        p = self.parallel
-        if ctx.world_size > 1 and p and dist.resolve_mode(
-            p["requested"], method=p["method"], quantization=p["quantization"],
-            optimizer=p["optimizer"],
-        ) == "fsdp":  # fmt: skip
-            raise ValueError(
-                "train.objective=distill runs with DDP under torchrun (the head is read "
-                "outside the sharded forward); set train.parallel=ddp"
-            )
+        if dist.shards_parameters(self.parallel):  # train.parallel=auto, full fine-tuning
+            raise ValueError(FSDP_REFUSAL)
         if self.teacher is None:
             self.teacher = load_teacher(self.options, self.dtype, ctx.device, self.prepack)
         check_same_vocabulary(ctx.model, self.teacher, ctx.tokenizer, self.options.teacher)

@@ -9,6 +9,11 @@ from typing import Any, ClassVar, Literal
 
 from slipstream.config_section import ObjectiveSection, option
 
+FSDP_REFUSAL = (
+    "train.objective=distill runs with train.parallel=ddp (or none) under torchrun, not fsdp: "
+    "the student's head is read outside the sharded forward; set train.parallel=ddp"
+)
+
 
 class DistillSection(ObjectiveSection):
     """train.objective = distill (slipstream/objectives/distill.py)."""
@@ -37,6 +42,8 @@ class DistillSection(ObjectiveSection):
         """A teacher is given; an on-policy completion fits the token budget."""
         if not self.teacher:
             raise ValueError("train.objective=distill needs distill.teacher (a model path or id)")
+        if cfg.train.parallel == "fsdp":
+            raise ValueError(FSDP_REFUSAL)
         if self.lmbda > 0 and self.max_completion_tokens >= cfg.train.tokens_per_batch:
             raise ValueError(
                 f"distill.max_completion_tokens={self.max_completion_tokens} does not fit "

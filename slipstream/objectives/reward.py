@@ -29,8 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slipstream import distributed as dist
 from slipstream.models.score_head import add_score_head, pad_id_of, sequence_scores
 from slipstream.objectives.base import Objective
+from slipstream.objectives.reward_config import FSDP_REFUSAL
 from slipstream.objectives.reward_data import (
     RewardPair,
     collate_reward_pairs,
@@ -62,7 +64,7 @@ class Reward(Objective):
     def __init__(self, cfg: Any = None, **options: Any) -> None:
         """From a RunConfig (the `reward` section, data options) or, without one, keyword
         options (center_rewards_coefficient)."""
-        self.full, self.base = False, None
+        self.full, self.base, self.parallel = False, None, None
         if cfg is None:
             self.center = options.get("center_rewards_coefficient")
             self.data_options: dict[str, Any] = {"max_tokens": 1 << 30}
@@ -70,6 +72,7 @@ class Reward(Objective):
         d, t = cfg.data, cfg.train
         self.full, self.base = cfg.train.finetune == "full", cfg.model.path
         self.center = cfg.reward.center_rewards_coefficient
+        self.parallel = dist.parallel_options(cfg)
         self.data_options = dict(
             max_tokens=min(d.max_tokens or t.tokens_per_batch // 2, t.tokens_per_batch // 2),
             overlong=d.overlong, strict=d.strict,
@@ -77,6 +80,8 @@ class Reward(Objective):
 
     def attach(self, ctx: Any, data: Any) -> None:
         """The score head, before the optimizer and any data-parallel wrapping."""
+        if dist.shards_parameters(self.parallel):  # train.parallel=auto, full fine-tuning
+            raise ValueError(FSDP_REFUSAL)
         if getattr(ctx.model, "score", None) is None:
             add_score_head(ctx.model)
 

@@ -7,6 +7,11 @@ from typing import Any, ClassVar
 
 from slipstream.config_section import ObjectiveSection, option
 
+FSDP_REFUSAL = (
+    "train.objective=reward runs with train.parallel=ddp (or none) under torchrun, not fsdp: "
+    "its score head is read outside the sharded forward; set train.parallel=ddp"
+)
+
 
 class RewardSection(ObjectiveSection):
     """train.objective = reward (slipstream/objectives/reward.py; docs/preference.md)."""
@@ -20,7 +25,4 @@ class RewardSection(ObjectiveSection):
 
     def check_run(self, cfg: Any) -> None:
         if cfg.train.parallel == "fsdp":
-            raise ValueError(
-                "train.objective=reward runs with train.parallel=ddp (or none), not fsdp: its "
-                "score head is read outside the sharded forward"
-            )
+            raise ValueError(FSDP_REFUSAL)
