@@ -73,6 +73,25 @@ REAL_SHAPES = {  # real shapes, from the published config.json files
                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "original_max_position_embeddings": 4096,
                                       "rope_theta": 150000.0}),
+    # Qwen3.5 (text): 3 Gated DeltaNet layers to 1 gated attention layer; Qwen3_5TextConfig's
+    # and Qwen3_5MoeTextConfig's defaults, which are the 9B and 35B-A3B shapes.
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096,
+                       intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                        "partial_rotary_factor": 0.25},
+                       max_position_embeddings=262144),
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                            num_experts=256, num_experts_per_tok=8, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                             "partial_rotary_factor": 0.25},
+                            max_position_embeddings=262144),
 }  # fmt: skip
 
 

@@ -5,9 +5,11 @@ code paths with tiny shapes on CPU in seconds (the test suite does, so this neve
 Writes JSON to `--out` (default `$OUT/gpu_suite.json` when OUT is set, else gpu_suite.json)
 and prints a markdown table last.
 
-Models are random-initialised with real shapes (no weights): Qwen3-0.6B, Qwen3-8B and, when
-the `gpt_oss` family exists, a GPT-OSS-20B-shaped MoE. Every row trains at 16k tokens per step
-(16 packed sequences), bf16, LoRA r=16 alpha=32 on all linear layers unless it says "full".
+Models are random-initialised with real shapes (no weights): Qwen3-0.6B, Qwen3-8B, when
+the `gpt_oss` family exists a GPT-OSS-20B-shaped MoE, and last Qwen3.5-9B and
+Qwen3.5-35B-A3B (hybrid Gated DeltaNet; fla's kernels when flash-linear-attention imports).
+Every row trains at 16k tokens per step (16 packed sequences), bf16, LoRA r=16 alpha=32 on
+all linear layers unless it says "full".
 Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - ours: everything on (LoRA, offload with double-buffered reloads, metadata built once);
 - ablations: metadata cache off (per-layer rebuild, `common.rebuild_attend`), offload single
@@ -78,9 +80,15 @@ def variants(has_moe_family: bool) -> list[Variant]:
                 need_s=90),
         Variant("transformers + PEFT", "gpt-oss-20b", impl="hf", need_s=120),
     ]  # fmt: skip
+    qwen35 = [  # last: the time guard cuts them first; `--only qwen3.5` runs them alone
+        Variant("ours, everything on", "qwen3.5-9b", need_s=60),
+        Variant("transformers + PEFT", "qwen3.5-9b", impl="hf", need_s=90),
+        Variant("ours, everything on", "qwen3.5-35b-a3b", need_s=120),
+        Variant("transformers + PEFT", "qwen3.5-35b-a3b", impl="hf", need_s=150),
+    ]
     if has_moe_family:
-        return rows[:5] + moe[:1] + rows[5:] + moe[1:]
-    return rows + [Variant(v.name, v.model, impl="skip") for v in moe]
+        return rows[:5] + moe[:1] + rows[5:] + moe[1:] + qwen35
+    return rows + [Variant(v.name, v.model, impl="skip") for v in moe] + qwen35
 
 
 class RowTimeout(Exception):
@@ -154,6 +162,11 @@ def make_setup(args) -> Setup:
 
         if "gpt_oss" in FAMILIES:
             shapes["gpt-oss-20b"] = common.hf_config("gpt_oss", **tiny)
+        linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, layer_types=["linear_attention",
+                      "full_attention"], shared_expert_intermediate_size=32)  # fmt: skip
+        for name, kind in (("qwen3.5-9b", "qwen3_5_text"), ("qwen3.5-35b-a3b", "qwen3_5_moe_text")):
+            shapes[name] = common.hf_config(kind, **{**tiny, **linear})
         lengths = common.split_lengths(192, 4)
         return Setup(torch.device("cpu"), torch.float32, lengths, 1, 1, True, deadline, shapes)
     if not torch.cuda.is_available():
@@ -193,7 +206,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.only and args.only not in v.model:
             continue
         path = (v.impl, v.lora, v.ckpt, v.double_buffer, v.metadata_cache, v.moe_one_pass,
-                v.compile, "moe" if "oss" in v.model else "dense")  # fmt: skip
+                v.compile, "moe" if "oss" in v.model or "-a" in v.model else "dense",
+                v.model.split("-")[0])  # fmt: skip
         if setup.dry and path in paths:  # same code path as a row above: seconds saved
             continue
         paths.add(path)

@@ -50,7 +50,7 @@ def recurrence(q, k, v, g, beta, lengths, reset=True):
 
 
 def _grads(out, inputs, seed=3):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device)
     return torch.autograd.grad((out * w).sum(), inputs)
 
 
@@ -146,3 +146,24 @@ def test_conv_state_then_steps_equal_the_full_conv():
         rows = [sum(longer[:b]) + lengths[b] + j for b in range(2)]
         y, state = conv_step(x[rows], state, w)
         assert _rel(y, full[rows]) < 1e-6
+
+
+@pytest.mark.gpu
+def test_fla_path_equals_the_torch_path_on_cuda():
+    """On CUDA with flash-linear-attention: fla's varlen kernel (what `gated_delta_rule` runs
+    there) = our torch chunked form, forward and backward, with no host sync."""
+    from slipstream.debug import count_syncs
+    from slipstream.ops.gated_delta import fla_chunk_rule, gated_delta_rule
+
+    if not torch.cuda.is_available() or fla_chunk_rule() is None:
+        pytest.skip("needs CUDA and flash-linear-attention")
+    seq = SeqInfo.from_lengths([300, 1, 77, 64], "cuda")
+    inputs = [x.detach().cuda().requires_grad_() for x in _inputs(sum(seq.lengths), seed=6)]
+    with count_syncs() as syncs:
+        o = gated_delta_rule(*inputs, seq)
+        grads = _grads(o, inputs)
+    assert syncs.total == 0, syncs
+    o_ref, _ = chunk_gated_delta(*inputs, seq)
+    assert _rel(o, o_ref) < 1e-3
+    for got, want in zip(grads, _grads(o_ref, inputs), strict=True):
+        assert _rel(got, want) < 1e-3

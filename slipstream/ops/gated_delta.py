@@ -244,11 +244,23 @@ def fla_chunk_rule():
 
 
 def fla_gated_delta(q_THK, k_THK, v_THV, g_TH, beta_TH, seq: SeqInfo, final: bool = False):
-    """fla over the packed batch as one row with cu_seqlens -> (o_THV, (N, H, K, V) | None)."""
+    """fla over the packed batch as one row with cu_seqlens -> (o_THV, (N, H, K, V) | None).
+    Where fla takes `cu_seqlens_cpu` it gets the host copy, so its chunk indices are built
+    without reading the device's cu_seqlens back (a sync per layer)."""
     rule = fla_chunk_rule()
+    extra = {}
+    if "cu_seqlens_cpu" in inspect.signature(rule).parameters:
+        extra["cu_seqlens_cpu"] = seq.cached("cu_seqlens_cpu", lambda: _host_cu_seqlens(seq))
     o, state = rule(
         q_THK[None], k_THK[None], v_THV[None], g_TH[None].float(), beta_TH[None],
         initial_state=None, output_final_state=final, cu_seqlens=seq.cu_seqlens.long(),
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=True, **extra,
     )  # fmt: skip
     return o[0].to(v_THV.dtype), state
+
+
+def _host_cu_seqlens(seq: SeqInfo) -> torch.Tensor:
+    ends = [0]
+    for n in seq.lengths:
+        ends.append(ends[-1] + n)
+    return torch.tensor(ends, dtype=torch.int64)
