@@ -169,6 +169,17 @@ def test_lora_on_every_linear_round_trips_through_peft(checkpoint, tmp_path):
         if "lora_" in n and ".experts." not in n
     }
     assert any(".linear_attn.in_proj_qkv." in k for k in grads)
+    if model_type == "qwen3_5_moe_text":  # expert factors: ours written in peft's layout
+        from slipstream.peft.lora_experts import expert_lora_modules, expert_lora_tensors
+
+        with torch.no_grad():
+            for m in expert_lora_modules(ours).values():
+                for p in [*m.lora_A.values(), *m.lora_B.values()]:
+                    p.copy_(p.grad)
+        experts = expert_lora_tensors(ours)
+        assert experts
+        grads.update(experts)
+    assert set(grads) == {n for n in theirs if "lora_" in n}
     for name, grad in grads.items():
         assert _rel(grad, theirs[name]) < 1e-4, name
 
@@ -242,3 +253,13 @@ def test_offload_and_recompute_give_the_gradients_of_none(checkpoint):
         assert set(got) == set(plain)
         for name in plain:
             torch.testing.assert_close(got[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gguf_export_is_refused_in_one_line(checkpoint, tmp_path):
+    from slipstream.checkpoint.gguf_export import export_gguf
+
+    model_type, path = checkpoint
+    arch = "qwen35moe" if "moe" in model_type else "qwen35"
+    with pytest.raises(ValueError, match=f"llama.cpp's {arch}\\) is not written") as e:
+        export_gguf(load_model(path), tmp_path / "m.gguf", "f32")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()

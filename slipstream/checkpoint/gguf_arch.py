@@ -29,10 +29,24 @@ PRE_TOKENIZER = {spec.arch: spec.pre_tokenizer for spec in BY_MODEL_TYPE.values(
                  if spec.pre_tokenizer != "default"}  # fmt: skip
 
 
+# Native families llama.cpp runs but whose GGUF layout slipstream does not write (yet).
+NOT_WRITTEN = {kind: "qwen35" for kind in ("qwen3_5_text", "qwen3_5")} | {
+    kind: "qwen35moe" for kind in ("qwen3_5_moe_text", "qwen3_5_moe")
+}
+
+
 def gguf_arch(model_type: str) -> Any:
     """The gguf.MODEL_ARCH of a family, or a one-line error naming the supported ones."""
     import gguf
 
+    if model_type in NOT_WRITTEN:
+        raise ValueError(
+            f"GGUF export: model_type {model_type!r} (llama.cpp's {NOT_WRITTEN[model_type]}) is "
+            "not written by slipstream yet: its Gated DeltaNet tensors need llama.cpp's layout "
+            "(value heads regrouped, A stored as -exp(A_log), offset norms + 1), unverified "
+            "here without llama.cpp; export the merged HF checkpoint and convert it with "
+            "llama.cpp's convert_hf_to_gguf.py."
+        )
     if model_type not in ARCHS:
         raise ValueError(
             f"GGUF export: model_type {model_type!r} has no llama.cpp architecture here; "
