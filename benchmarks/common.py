@@ -117,16 +117,21 @@ def hf_config(model_type: str, **overrides: Any) -> dict[str, Any]:
 
 
 def build_random_model(
-    hf: dict[str, Any], *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0
-) -> torch.nn.Module:
+    hf: dict[str, Any], *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0,
+    implementation: str = "native",
+) -> torch.nn.Module:  # fmt: skip
     """A slipstream model of `hf`'s shapes with random weights, built directly on `device`.
 
-    Uses the family's `config_from_hf` + `build`; the modules' own initialisers fill the
-    weights (seeded), the embedding is rescaled to std 0.02 so tied heads give sane logits.
+    Uses the family's `config_from_hf` + `build` (`implementation="transformers"`: the generic
+    family's, transformers' modeling code); the modules' own initialisers fill the weights
+    (seeded), the embedding is rescaled to std 0.02 so tied heads give sane logits.
     """
-    from slipstream.models import family_for
+    from slipstream.models import family_for, generic
 
-    family = family_for(hf.get("model_type"), "benchmark config")
+    if implementation == "transformers":
+        family = generic
+    else:
+        family = family_for(hf.get("model_type"), "benchmark config")
     cfg = family.config_from_hf(hf)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
@@ -137,8 +142,8 @@ def build_random_model(
     finally:
         torch.set_default_dtype(old)
     with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 0.02)
-    model.model.reset_rope()
+        model.input_embeddings().weight.normal_(0, 0.02)
+    model.reset_buffers()
     return model
 
 

@@ -40,7 +40,7 @@ class Setup:
 class Variant:
     name: str
     model: str
-    impl: str = "ours"  # "ours" | "hf"
+    impl: str = "ours"  # "ours" | "generic" (ours on transformers' modeling code) | "hf" | ...
     lora: bool = True
     ckpt: str = "offload"  # "offload" | "recompute" | "none"
     double_buffer: Any = "auto"
@@ -61,12 +61,14 @@ class OursCache:
 
     @classmethod
     def get(cls, v: Variant, setup: Setup) -> Any:
-        key = (v.model, v.lora)
+        generic = v.impl == "generic"
+        key = (v.model, v.lora, generic)
         if cls.key != key:
             cls.clear()
             model = common.build_random_model(
-                setup.shapes[v.model], dtype=setup.dtype, device=setup.device
-            )
+                setup.shapes[v.model], dtype=setup.dtype, device=setup.device,
+                implementation="transformers" if generic else "native",
+            )  # fmt: skip
             if v.lora:
                 from slipstream.peft.lora import apply_lora
 

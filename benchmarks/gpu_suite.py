@@ -20,6 +20,8 @@ Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
   sampled tokens each, random rewards) then one optimizer step on its packed sequences
   (offload on); generation and training seconds, tokens/s of each, syncs of the training
   part, peak memory;
+- generic: the everything-on row on the generic family (transformers' Qwen3 modeling code
+  with our attention function, offload and loss; docs/generic.md), Qwen3-0.6B shape;
 - transformers + PEFT on the same shapes and LoRA settings, gradient checkpointing, the best
   attention the image has (flash_attention_2 if `flash_attn` imports, else flex_attention on
   CUDA, else sdpa), packed via position_ids when a runtime check shows that gives
@@ -73,6 +75,14 @@ def variants(has_moe_family: bool) -> list[Variant]:
         Variant("regional compile + everything on", "qwen3-8b", compile=True, need_s=120),
         Variant("full fine-tune, everything on", "qwen3-0.6b", lora=False),
         Variant("regional compile + everything on", "qwen3-0.6b", compile=True, need_s=60),
+        # the generic family: transformers' Qwen3 modeling code under our packing, offload
+        # and loss (docs/generic.md), against the native row above
+        Variant(
+            "generic (transformers' modeling code), everything on",
+            "qwen3-0.6b",
+            impl="generic",
+            need_s=30,
+        ),
     ]
     moe = [
         Variant("ours, everything on", "gpt-oss-20b", need_s=90),

@@ -24,6 +24,7 @@ import bench_cpu_step  # noqa: E402
 import bench_dpo  # noqa: E402
 import bench_eval  # noqa: E402
 import bench_generate  # noqa: E402
+import bench_generic  # noqa: E402
 import bench_kto_reward  # noqa: E402
 import bench_loss  # noqa: E402
 import bench_metadata  # noqa: E402
@@ -161,6 +162,8 @@ def test_gpu_suite_dry_run_grpo_row(tmp_path, capsys):
     rows = gpu_suite.main(["--dry-run", "--only", "qwen3-0.6b", "--out", str(tmp_path / "s.json")])
     check_suite_rows(rows, capsys.readouterr().out, {"qwen3-0.6b"})
     assert any(r["variant"].startswith("GRPO step") for r in rows)
+    generic = next(r for r in rows if r["impl"] == "generic")  # transformers' Qwen3 code
+    assert generic["syncs/step"] == 0 and generic["tokens/s"] > 0, generic.get("sync sites")
 
 
 @pytest.mark.slow
@@ -220,6 +223,25 @@ def test_dpo_quick(capsys):
     assert row["same loss (step 1)"] is True  # log 2 on both: fresh adapters, policy = ref
     assert row["padded tokens (TRL)"] >= row["real tokens/step"] > 0
     assert row["TRL tok/s"] > 0 and row["ours tok/s"] > 0
+
+
+@pytest.mark.slow
+def test_generic_quick(capsys):
+    """Native and generic families on one checkpoint give the same loss with 0 syncs; the
+    generic packed step and transformers + PEFT's padded one train the same tokens from the
+    same start (~20 s of CPU)."""
+    rows = bench_generic.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_generic.COLUMNS)
+    pairs = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    assert [p[0]["model"] for p in pairs[:3]] == ["llama", "qwen3", "qwen3_moe"]
+    for native, generic in pairs[:3]:
+        assert native["syncs/step"] == generic["syncs/step"] == 0
+        first = native["loss (step 0)"]
+        assert abs(first - generic["loss (step 0)"]) < 1e-4 * first
+    hf, ours = pairs[3]
+    assert ours["syncs/step"] == 0 and ours["tokens/s"] > 0 and hf["tokens/s"] > 0
+    assert hf["computed/step"] >= ours["tokens/step"] == hf["tokens/step"]
+    assert abs(hf["loss (step 0)"] - ours["loss (step 0)"]) < 1e-4 * hf["loss (step 0)"]
 
 
 @pytest.mark.slow
