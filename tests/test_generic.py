@@ -240,50 +240,6 @@ def test_bad_inputs_are_one_line(tmp_path, quiet):
     assert "\n" not in str(e.value)
 
 
-def test_two_step_cli_run_whose_adapter_loads_in_peft(tmp_path, quiet, capsys):
-    """`slipstream train` on a model_type with no native family (OLMo 2): the log says which
-    path it took; the adapter loads in peft on transformers' model with our logits."""
-    import yaml
-    from helpers.runs import chat_rows
-    from helpers.tokenizers import save_test_tokenizer
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from slipstream import SeqInfo, cli, load_adapter
-
-    model_dir, out = tmp_path / "model", tmp_path / "run"
-    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_config("olmo2", vocab_size=300))
-    hf.save_pretrained(model_dir)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(16)))
-    raw = {
-        "model": {"path": str(model_dir)},
-        "data": {"train": str(data)},
-        "lora": {"method": "lora", "rank": 4},
-        "train": {"lr": 1e-2, "steps": 2, "tokens_per_batch": 128, "device": "cpu",
-                  "log_every": 1},
-        "output_dir": str(out),
-    }  # fmt: skip
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
-    captured = capsys.readouterr()
-    log = captured.out + captured.err
-    assert "model olmo2: transformers' modeling code: no native family for 'olmo2'" in log
-    assert "completed at step 2" in log
-    ours = load_model(model_dir)
-    load_adapter(ours, out)
-    ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8])
-    with torch.no_grad():
-        mine = ours(ids, SeqInfo.from_lengths([8]))
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        theirs = PeftModel.from_pretrained(ref, out).eval()(ids[None]).logits[0]
-        base = AutoModelForCausalLM.from_pretrained(model_dir)(ids[None]).logits[0]
-    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
-    assert (base - theirs).abs().max() > 1e-3  # two steps moved the adapter
-
-
 def test_cli_refuses_native_on_a_type_without_one(tmp_path, quiet, capsys):
     from slipstream import cli
 

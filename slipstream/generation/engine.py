@@ -88,7 +88,7 @@ def run(
         room = max_new_tokens if max_positions is None else max_positions - len(p)
         rows += [Row(i, len(p), min(max_new_tokens, room)) for _ in range(n)]
     hf_engine.say_engine(model)
-    if hf_engine.stateful_layers(model):  # transformers' generate: its caches hold the state
+    if hf_engine.transformers_reason(model):  # layers or attention our KV cache cannot run
         if images is not None:
             raise ValueError("generation with images on a model with stateful layers: not yet")
         return hf_engine.run(

@@ -36,6 +36,25 @@ def stateful_layers(model) -> list[str]:
     return list(model.per_sequence)
 
 
+def transformers_reason(model) -> str | None:
+    """Why `model` generates on transformers' `generate` (None: on our KV-cache engine): layers
+    our cache holds no state for, or attention it does not run (softcapped scores; keys and
+    values of other shapes than config.json's head_dim, or shared between layers)."""
+    stateful = stateful_layers(model)
+    if stateful:
+        return f"slipstream's KV cache holds no state for {stateful[0]}"
+    if getattr(model.config, "implementation", "native") != "transformers":
+        return None
+    text = model.hf.config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None):
+        return "slipstream's KV-cache engine has no attention softcapping"
+    if getattr(text, "kv_lora_rank", None):
+        return "multi-head latent attention: keys and values of another shape than head_dim"
+    if getattr(text, "num_kv_shared_layers", None) or getattr(text, "global_head_dim", None):
+        return "per-layer key/value shapes and K/V shared between layers"
+    return None
+
+
 def layer_kinds(model) -> str:
     """'1 Qwen3NextGatedDeltaNet, 1 softmax attention': each decoder layer's token mixers."""
     stateful = stateful_layers(model)
@@ -54,12 +73,11 @@ def say_engine(model) -> None:
     if model in _SAID:
         return
     _SAID.add(model)
-    kinds, stateful = layer_kinds(model), stateful_layers(model)
-    if stateful:
+    kinds, why = layer_kinds(model), transformers_reason(model)
+    if why:
         log.info(
-            "generation: %s on transformers' generate and its cache (layers: %s): "
-            "slipstream's KV cache holds no state for %s",
-            model.config.model_type, kinds, stateful[0],
+            "generation: %s on transformers' generate and its cache (layers: %s): %s",
+            model.config.model_type, kinds, why,
         )  # fmt: skip
     else:
         log.info(

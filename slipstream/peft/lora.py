@@ -136,6 +136,8 @@ def apply_lora(
         # transformers' MoE models (dropping them from target_modules), so a shared expert's
         # or a dense layer's linear of that name would get no LoRA in peft: experts only.
         present -= set(EXPERT_TARGET_OF)
+    if generic and targets == "all-linear":
+        present -= all_linear_exclusions(model, has_experts)
     if targets == "all-linear":
         linear, experts = (
             present - {"lm_head"},
@@ -173,6 +175,25 @@ def apply_lora(
         else {},
     )
     return wrap_lora(model, chosen, rank, alpha, dropout, use_rslora, use_dora)
+
+
+def all_linear_exclusions(model: nn.Module, has_experts: bool) -> set[str]:
+    """Linear names "all-linear" leaves out on transformers' modeling code, where an adapter
+    could not round-trip through peft or train: linears inside Mamba2 mixers (transformers'
+    fused training path reads their out_proj weight directly, past LoRA), nn.Linear
+    subclasses with their own forward (Llama 4's router returns a tuple), and on a MoE model
+    whose experts take no expert LoRA the MLP names (peft 0.21 reads them as the stacked
+    experts' parameters, not the dense or shared-expert linears: other logits)."""
+    mamba = [f"{n}." for n, m in model.named_modules()
+             if all(hasattr(m, a) for a in ("in_proj", "out_proj", "dt_bias"))]  # fmt: skip
+    dropped = {
+        attr for name, _, attr, module in linear_children(model)
+        if type(module).forward is not nn.Linear.forward or name.startswith(tuple(mamba))
+    }  # fmt: skip
+    moe = any(n.endswith(".experts") for n, _ in model.named_modules())
+    if moe and not has_experts:
+        dropped |= set(EXPERT_TARGET_OF)
+    return dropped
 
 
 def linear_names(model: nn.Module) -> set[str]:
