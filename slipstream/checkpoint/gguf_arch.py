@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from slipstream.checkpoint.gguf_families import BY_MODEL_TYPE
+from slipstream.checkpoint.gguf_generic import GENERIC_SPECS
 from slipstream.checkpoint.gguf_spec import GGUFSpec, text_hf
 from slipstream.models.qwen3_moe import PER_EXPERT
 
@@ -36,7 +37,8 @@ NOT_WRITTEN = {kind: "qwen35" for kind in ("qwen3_5_text", "qwen3_5")} | {
 
 
 def gguf_arch(model_type: str) -> Any:
-    """The gguf.MODEL_ARCH of a family, or a one-line error naming the supported ones."""
+    """The gguf.MODEL_ARCH of a family (native, or built by transformers' modeling code:
+    gguf_generic.py), or a one-line error naming the supported ones."""
     import gguf
 
     if model_type in NOT_WRITTEN:
@@ -47,19 +49,35 @@ def gguf_arch(model_type: str) -> Any:
             "here without llama.cpp; export the merged HF checkpoint and convert it with "
             "llama.cpp's convert_hf_to_gguf.py."
         )
-    if model_type not in ARCHS:
+    arch = ARCHS.get(model_type) or getattr(GENERIC_SPECS.get(model_type), "arch", None)
+    if arch is None:
         raise ValueError(
             f"GGUF export: model_type {model_type!r} has no llama.cpp architecture here; "
-            f"supported: {', '.join(sorted(ARCHS))}."
+            f"supported: {', '.join(sorted({*ARCHS, *GENERIC_SPECS}))}."
         )
-    return gguf.MODEL_ARCH[ARCHS[model_type]]
+    return gguf.MODEL_ARCH[arch]
+
+
+def spec_for(cfg: Any) -> GGUFSpec:
+    """The GGUF spec of a built model: its native family's, or for a model of transformers'
+    modeling code the generic one of its type (gguf_generic.py); else a one-line error."""
+    if getattr(cfg, "implementation", "native") != "transformers":
+        gguf_arch(cfg.model_type)
+        return BY_MODEL_TYPE[cfg.model_type]
+    spec = GENERIC_SPECS.get(cfg.model_type)
+    if spec is None:
+        also = " (load it with model.implementation: auto)" if cfg.model_type in ARCHS else ""
+        raise ValueError(
+            f"GGUF export: model_type {cfg.model_type!r} built by transformers' modeling code "
+            f"has no llama.cpp mapping here{also}; supported there: "
+            f"{', '.join(sorted(GENERIC_SPECS))}."
+        )
+    return spec
 
 
 def check_supported(cfg: Any) -> None:
     """Refuse what llama.cpp would run differently from us (one line: what and why)."""
-    spec = BY_MODEL_TYPE.get(cfg.model_type)
-    if spec is not None:
-        spec.check(cfg, text_hf(cfg))
+    spec_for(cfg).check(cfg, text_hf(cfg))
 
 
 def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
@@ -75,12 +93,12 @@ def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     w.add_vocab_size(cfg.vocab_size)
-    BY_MODEL_TYPE[cfg.model_type].write_metadata(w, cfg, hf)
+    spec_for(cfg).write_metadata(w, cfg, hf)
 
 
 def extra_tensors(cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors llama.cpp wants that HF derives from config.json (RoPE factors)."""
-    yield from BY_MODEL_TYPE[cfg.model_type].extra_tensors(cfg)
+    yield from spec_for(cfg).extra_tensors(cfg)
 
 
 def hf_named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,8 +114,8 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     cfg = model.config
-    arch = gguf_arch(cfg.model_type)
-    spec = BY_MODEL_TYPE[cfg.model_type]
+    spec = spec_for(cfg)
+    arch = gguf.MODEL_ARCH[spec.arch]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     experts: dict[str, dict[int, torch.Tensor]] = {}
     num_experts = getattr(cfg, "num_experts", None) or _num_experts(cfg)
