@@ -178,3 +178,28 @@ def test_a_text_model_still_counts_image_rows_as_skips(llava):
     ]
     examples, report = tokenize_rows(rows, tok, max_tokens=512)
     assert len(examples) == 1 and dict(report.skipped) == {"image_part": 1}
+
+
+def test_qwen_vl_placeholders_follow_the_grid_where_its_processor_cannot_be_built(tmp_path):
+    from types import SimpleNamespace
+
+    folder = vlm_folder(tmp_path, "qwen2_5_vl")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(Exception, match="[Tt]orchvision"):
+        transformers.AutoProcessor.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    assert side.processor is None and side.placeholder == "<|image_pad|>"
+    images = [random_image(50, 90), random_image(100, 60, seed=1)]
+    (ex,), _ = _tokenize([_row(images)], tok, side)
+    # transformers' own rule, run on the image processor's output.
+    standin = SimpleNamespace(image_processor=side.image_processor, image_token="<|image_pad|>")
+    expected, grids = [], []
+    for image in images:
+        out = side.image_processor(images=[image], return_tensors="pt")
+        text = transformers.Qwen2_5_VLProcessor.replace_image_token(standin, out, 0)
+        expected.append(text.count("<|image_pad|>"))
+        grids += out["image_grid_thw"].tolist()
+    assert ex.image_tokens == expected and expected[0] != expected[1]
+    assert len(ex.feature_rows()) == sum(expected)
+    assert ex.images["image_grid_thw"].tolist() == grids
+    assert ex.sizes == [(h * 14, w * 14) for _, h, w in grids]

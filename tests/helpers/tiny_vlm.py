@@ -34,6 +34,9 @@ TEXT = dict(
 )  # fmt: skip
 
 
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+
+
 def random_image(height: int, width: int, seed: int = 0):
     from PIL import Image
 
@@ -81,6 +84,19 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             image_token_index=tok.convert_tokens_to_ids("<image>"),
             projector_hidden_act="gelu", vision_feature_layer=-1,
         )  # fmt: skip
+    elif kind == "qwen2_5_vl":  # its processor class needs torchvision: no model, no class
+        tok = _tokenizer(out, QWEN_TOKENS, "".join(QWEN_TOKENS))
+        processor = transformers.Qwen2VLImageProcessor(
+            min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2
+        )
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=len(tok), **TEXT),
+            image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        )
+        processor.save_pretrained(out)
+        tok.save_pretrained(out)
+        (out / "config.json").write_text(config.to_json_string())
+        return out
     else:
         raise ValueError(kind)
     processor.save_pretrained(out)
