@@ -73,12 +73,23 @@ def _qwen_vl(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str
     return side.placeholder * int(processed["image_grid_thw"][i].prod() // merge**2)
 
 
+def _pixtral(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str:
+    """Rows of [IMG] per merged patch, each row closed by [IMG_BREAK], the last by [IMG_END]
+    (PixtralProcessor's rule, for Mistral 3)."""
+    vision = side.config.get("vision_config") or {}
+    patch = vision.get("patch_size", 14) * side.config.get("spatial_merge_size", 1)
+    height, width = (int(v) for v in processed["image_sizes"][i])
+    row = "[IMG]" * (width // patch) + "[IMG_BREAK]"
+    return (row * (height // patch))[: -len("[IMG_BREAK]")] + "[IMG_END]"
+
+
 # model_type -> (placeholder the chat template prints, replacement for image i), for
 # processors that cannot be built without torchvision.
 RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], str]]] = {
     "qwen2_vl": ("<|image_pad|>", _qwen_vl),
     "qwen2_5_vl": ("<|image_pad|>", _qwen_vl),
     "qwen3_vl": ("<|image_pad|>", _qwen_vl),
+    "mistral3": ("[IMG]", _pixtral),
 }
 
 
@@ -90,6 +101,7 @@ class ImageProcessing:
         from transformers import AutoImageProcessor, AutoProcessor
 
         config = _config_json(folder)
+        self.config = config
         self.model_type = config.get("model_type")
         self.processor = None
         try:
@@ -172,9 +184,8 @@ class ImageProcessing:
         # The special tokens of an image's sequence are never targets (an image in a reply).
         image_ids = {i for seq_ids in sequences for i in seq_ids if i in self.added_ids}
         trainable = [t and i not in image_ids for i, t in zip(ids, trainable)]
-        inputs = {
-            k: torch.cat([p[k] for p, _, _ in processed]) for k in processed[0][0]
-        }  # every image of one model has the same inputs
+        # Every image of one model has the same inputs.
+        inputs = {k: cat_images([p[k] for p, _, _ in processed]) for k in processed[0][0]}
         counts = [seq_ids.count(self.image_token_id) for seq_ids in sequences]
         sizes = [size for *_, size in processed]
         return ImageExample(list(ids), trainable, inputs, self.image_token_id, sizes, counts)
@@ -219,8 +230,20 @@ def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, torch.T
     rows = [start + t for start, ex in examples for t in ex.feature_rows()]
     out = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
     for name in examples[0][1].images:
-        out[name] = torch.cat([ex.images[name] for _, ex in examples])
+        out[name] = cat_images([ex.images[name] for _, ex in examples])
     return out
+
+
+def cat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors concatenated along dim 0; pixel batches (N, C, H, W) of different sizes (Pixtral
+    keeps each image's size) zero-padded at the bottom and right to the largest, as
+    transformers' image processors batch them (the true sizes are `image_sizes`)."""
+    if tensors[0].dim() == 4 and len({t.shape[-2:] for t in tensors}) > 1:
+        h = max(t.shape[-2] for t in tensors)
+        w = max(t.shape[-1] for t in tensors)
+        pad = torch.nn.functional.pad
+        tensors = [pad(t, (0, w - t.shape[-1], 0, h - t.shape[-2])) for t in tensors]
+    return torch.cat(tensors)
 
 
 def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:

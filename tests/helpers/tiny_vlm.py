@@ -97,6 +97,16 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
         tok.save_pretrained(out)
         (out / "config.json").write_text(config.to_json_string())
         return out
+    elif kind == "mistral3":  # PixtralProcessor needs torchvision: its image processor only
+        tok = _tokenizer(out, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]")
+        processor = transformers.PixtralImageProcessor(size={"longest_edge": 56}, patch_size=7)
+        vision = transformers.PixtralVisionConfig(**VISION, image_size=56, patch_size=7, head_dim=8)
+        config = transformers.Mistral3Config(
+            vision_config=vision.to_dict(),
+            text_config=transformers.MistralConfig(vocab_size=len(tok), **TEXT).to_dict(),
+            image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+            vision_feature_layer=-1,
+        )  # fmt: skip
     else:
         raise ValueError(kind)
     processor.save_pretrained(out)

@@ -1,0 +1,100 @@
+"""Mistral 3 on the generic image-text path: Pixtral keeps each image's own size, so images
+of different sizes become different numbers of feature rows. Its processor class needs
+torchvision here: the placeholders follow our rule, checked against transformers'
+PixtralProcessor.replace_image_token on the image processor's output; loss and LoRA grads
+equal transformers + peft; packed equals separate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers.models import randomise_lora_b
+from helpers.tiny_vlm import random_image, vlm_folder
+from peft import PeftModel
+
+import slipstream
+from slipstream.data import collate, tokenize_rows
+from slipstream.data.vision import ImageProcessing, image_inputs
+
+SIZES = [[(40, 60)], [(20, 30), (56, 14)], [(33, 33)]]
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    folder = vlm_folder(tmp_path_factory.mktemp("mistral3"), "mistral3")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    rows = []
+    for k, sizes in enumerate(SIZES):
+        images = [random_image(h, w, seed=h + w) for h, w in sizes]
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Describe."}]
+        reply = ["Wide.", "Two small ones.", "A square."][k]
+        turns = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+        rows.append({"messages": turns, "images": images})
+    examples, _ = tokenize_rows(rows, tok, max_tokens=512, images=side)
+    return folder, side, rows, examples
+
+
+def test_placeholders_match_the_features_transformers_tower_gives(mistral3):
+    folder, side, rows, examples = mistral3
+    assert side.processor is None and side.placeholder == "[IMG]"
+    hf = _hf(folder)
+    counts = []  # PixtralProcessor (not importable here) is checked through its model
+    for row in rows:
+        for image in row["images"]:
+            out = side.image_processor(images=[image], return_tensors="pt")
+            with torch.no_grad():
+                feats = hf.model.get_image_features(**out, return_dict=True).pooler_output
+            counts.append(feats[0].shape[0])
+    assert [n for ex in examples for n in ex.image_tokens] == counts
+    assert len(set(counts)) > 2  # images of different sizes: different feature rows
+    # Each image: rows of [IMG], each ended by [IMG_BREAK], the last by [IMG_END].
+    ex = examples[0]
+    (h, w), ids = ex.sizes[0], ex.input_ids
+    first, last = ex.feature_rows()[0], ex.feature_rows()[-1] + 1
+    tokens = ids[first : last + 1]
+    cols = w // 14
+    expected = ([side.image_token_id] * cols + [tokens[cols]]) * (h // 14)
+    assert tokens[:-1] == expected[:-1] and tokens[cols] != side.image_token_id
+    # Several images of one example are padded as the image processor batches them.
+    two = side.image_processor(images=rows[1]["images"], return_tensors="pt")
+    torch.testing.assert_close(examples[1].images["pixel_values"], two["pixel_values"])
+
+
+def _hf(folder):
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_loss_and_lora_grads_equal_transformers_and_packed_equals_separate(mistral3, tmp_path):
+    folder, _, _, examples = mistral3
+    ours = slipstream.load_model(folder)
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    b = collate(examples)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=image_inputs(b.fields))  # fmt: skip
+    loss.backward()
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
+    ref = 0
+    for ex in examples:
+        ids = torch.tensor([ex.input_ids])
+        labels = torch.tensor([[i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)]])
+        out = peft_model(input_ids=ids, labels=labels, **ex.images)
+        ref = ref + out.loss * int((labels[0, 1:] != -100).sum())
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    theirs = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            key = name.replace(".lora_A.", ".lora_A.default.").replace(
+                ".lora_B.", ".lora_B.default."
+            )
+            scale = theirs[key].grad.abs().max()  # 1e-4 of the largest entry: float32 sums
+            torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
+    with torch.no_grad():
+        packed = ours(b.input_ids, b.seq, images=image_inputs(b.fields))
+        alone = [ours(collate([ex]).input_ids, collate([ex]).seq,
+                      images=image_inputs(collate([ex]).fields)) for ex in examples]  # fmt: skip
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
