@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from helpers.models import randomise_lora_b
-from helpers.tiny_vlm import random_image, vlm_folder
+from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_image, vlm_folder
 from peft import PeftModel
 
 import slipstream
@@ -77,22 +77,11 @@ def test_loss_and_lora_grads_equal_transformers_and_packed_equals_separate(mistr
                      label_positions=b.label_positions, images=image_inputs(b.fields))  # fmt: skip
     loss.backward()
     peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
-    ref = 0
-    for ex in examples:
-        ids = torch.tensor([ex.input_ids])
-        labels = torch.tensor([[i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)]])
-        out = peft_model(input_ids=ids, labels=labels, **ex.images)
-        ref = ref + out.loss * int((labels[0, 1:] != -100).sum())
-    ref.backward()
+    ref = peft_summed_loss(
+        peft_model, examples, lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.images}
+    )
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
-    theirs = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
-    for name, p in ours.named_parameters():
-        if p.requires_grad:
-            key = name.replace(".lora_A.", ".lora_A.default.").replace(
-                ".lora_B.", ".lora_B.default."
-            )
-            scale = theirs[key].grad.abs().max()  # 1e-4 of the largest entry: float32 sums
-            torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
+    assert_lora_grads_match(ours, peft_model)
     with torch.no_grad():
         packed = ours(b.input_ids, b.seq, images=image_inputs(b.fields))
         alone = [ours(collate([ex]).input_ids, collate([ex]).seq,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from slipstream.data.labels import Example
 from slipstream.data.packed import IGNORE_INDEX, PackedBatch, PackedBuilder, target_spans
-from slipstream.data.vision import ImageExample, put_images
+from slipstream.data.vision import MROPE_FIELD, ImageExample, packed_positions_3d, put_images
 
 __all__ = ["IGNORE_INDEX", "Batch", "collate"]
 
@@ -40,4 +40,7 @@ def collate(examples: Sequence[Example]) -> Batch:
         start += len(ex.input_ids)
     if with_images:
         put_images(builder, with_images)
+        positions = packed_positions_3d(examples)
+        if positions is not None:
+            builder.put(MROPE_FIELD, positions)
     return builder.build()

@@ -31,12 +31,15 @@ import torch
 
 from slipstream.data.images import vision_messages
 from slipstream.data.labels import Example, encode_chat
+from slipstream.data.mrope import mrope_positions
 from slipstream.data.rows import RowError
 
 log = logging.getLogger("slipstream")
 
 # What each model's forward takes of the image processor's output (besides pixel_values).
 MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # 3-D rotary positions: data/mrope.py
+MROPE_FIELD = "mrope_position_ids"  # (3, T): the packed batch's 3-D positions
 
 
 @dataclass
@@ -49,6 +52,7 @@ class ImageExample(Example):
     image_token_id: int = -1
     sizes: list[tuple[int, int]] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
+    positions_3d: list[list[int]] | None = None  # Qwen-VL's mRoPE positions (data/mrope.py)
 
     def feature_rows(self) -> list[int]:
         """The token positions that receive image features, in order (host scan)."""
@@ -63,9 +67,11 @@ class ImageExample(Example):
                 f"{len(self)} tokens ({len(rows)} of them image tokens) do not fit "
                 f"{max_tokens} without cutting an image; raise the limit or use smaller images",
             )
+        cut = None if self.positions_3d is None else [a[:max_tokens] for a in self.positions_3d]
         return replace(
-            self, input_ids=self.input_ids[:max_tokens], trainable=self.trainable[:max_tokens]
-        )
+            self, input_ids=self.input_ids[:max_tokens], trainable=self.trainable[:max_tokens],
+            positions_3d=cut,
+        )  # fmt: skip
 
 
 def _qwen_vl(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str:
@@ -188,7 +194,13 @@ class ImageProcessing:
         inputs = {k: cat_images([p[k] for p, _, _ in processed]) for k in processed[0][0]}
         counts = [seq_ids.count(self.image_token_id) for seq_ids in sequences]
         sizes = [size for *_, size in processed]
-        return ImageExample(list(ids), trainable, inputs, self.image_token_id, sizes, counts)
+        positions = None
+        if self.model_type in MROPE_TYPES:  # 3-D positions from the grids, on the host
+            merge = self.image_processor.merge_size
+            grids = inputs["image_grid_thw"].tolist()  # host tensors from the processor
+            positions = mrope_positions(ids, self.image_token_id, grids, merge)
+        ids = list(ids)
+        return ImageExample(ids, trainable, inputs, self.image_token_id, sizes, counts, positions)
 
     def _expander(self, replacements: list[str]) -> Callable[[str], str]:
         """A text's placeholders replaced in order by `replacements` (one per image)."""
@@ -234,6 +246,18 @@ def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, torch.T
     return out
 
 
+def packed_positions_3d(examples: list[Any]) -> torch.Tensor | None:
+    """(3, T) int64: every example's 3-D positions concatenated (a text example's are its
+    1-D positions thrice), or None when no example has any."""
+    if not any(getattr(ex, "positions_3d", None) for ex in examples):
+        return None
+    parts = []
+    for ex in examples:
+        mine = getattr(ex, "positions_3d", None)
+        parts.append(torch.tensor(mine) if mine else torch.arange(len(ex)).expand(3, -1))
+    return torch.cat(parts, dim=1).to(torch.int64)
+
+
 def cat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Tensors concatenated along dim 0; pixel batches (N, C, H, W) of different sizes (Pixtral
     keeps each image's size) zero-padded at the bottom and right to the largest, as
@@ -256,4 +280,5 @@ def image_inputs(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] 
     """A batch's image inputs (`image_rows` and the model inputs), or None without images."""
     if "image_rows" not in fields:
         return None
-    return {k: v for k, v in fields.items() if k == "image_rows" or k in MODEL_INPUTS}
+    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS)
+    return {k: v for k, v in fields.items() if k in names}

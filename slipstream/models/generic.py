@@ -283,9 +283,10 @@ class GenericCausalLM(nn.Module):
             if images is None
             else {"inputs_embeds": self.embed(input_ids_T, images)[None]}
         )
+        positions = kwargs.pop("position_ids", None)  # Qwen-VL's 3-D ones: generic_vision.py
         return self._backbone(
-            **inputs, position_ids=seq.position_ids[None], use_cache=False,
-            **{SEQ_KWARG: seq}, **kwargs,
+            **inputs, position_ids=seq.position_ids[None] if positions is None else positions,
+            use_cache=False, **{SEQ_KWARG: seq}, **kwargs,
         )  # fmt: skip
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None) -> torch.Tensor:

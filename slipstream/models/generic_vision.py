@@ -24,7 +24,12 @@ from slipstream.models.generic import GenericCausalLM, config_from_hf
 from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 
-VISION_PARTS = {"tower": ("vision_tower", "vision_model"), "projector": ("multi_modal_projector",)}
+VISION_PARTS = {
+    "tower": ("vision_tower", "vision_model", "visual"),
+    "projector": ("multi_modal_projector", "merger"),  # Qwen-VL's merger sits in its tower
+}
+MROPE_FIELD = "mrope_position_ids"  # data/vision.py: the batch's (3, T) Qwen-VL positions
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")  # features injected into decoder layers: refused
 
 
 def vision_prefixes(hf_model: nn.Module) -> dict[str, str]:
@@ -43,6 +48,11 @@ class GenericImageTextLM(GenericCausalLM):
     image features into their rows; `hidden_states`, `loss` and `forward` take `images`."""
 
     def __init__(self, cfg: Any, hf_model: nn.Module) -> None:
+        if cfg.model_type in DEEPSTACK:
+            raise ValueError(
+                f"model_type {cfg.model_type!r}: its vision features also enter the language "
+                "model's layers (deepstack), which slipstream's embedding stage does not do yet"
+            )
         super().__init__(cfg, hf_model)
         self.vision = vision_prefixes(hf_model)
         # LoRA stays off the vision side unless vision.train asks (train/vision.py).
@@ -62,9 +72,16 @@ class GenericImageTextLM(GenericCausalLM):
             )
         return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
 
+    def _backbone_out(self, input_ids_T, seq, images=None, **kwargs):
+        """The language model over the packed stream; with Qwen-VL's host-built 3-D
+        positions (`images["mrope_position_ids"]`, (3, T)) in place of the 1-D ones."""
+        if images is not None and MROPE_FIELD in images:
+            kwargs["position_ids"] = images[MROPE_FIELD][:, None, :]
+        return super()._backbone_out(input_ids_T, seq, images, **kwargs)
+
     def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
         """(P, D): the tower and projector over every image of the batch, in order."""
-        kwargs = {k: v for k, v in images.items() if k != "image_rows"}
+        kwargs = {k: v for k, v in images.items() if k not in ("image_rows", MROPE_FIELD)}
         pixels = kwargs.pop("pixel_values")
         dtype = next(self.hf.parameters()).dtype
         out = self.hf.model.get_image_features(

@@ -84,19 +84,23 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             image_token_index=tok.convert_tokens_to_ids("<image>"),
             projector_hidden_act="gelu", vision_feature_layer=-1,
         )  # fmt: skip
-    elif kind == "qwen2_5_vl":  # its processor class needs torchvision: no model, no class
+    elif kind == "qwen2_5_vl":  # its processor class needs torchvision: the image one only
         tok = _tokenizer(out, QWEN_TOKENS, "".join(QWEN_TOKENS))
         processor = transformers.Qwen2VLImageProcessor(
             min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2
         )
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+        vision = dict(
+            depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+            fullatt_block_indexes=[0],
+        )  # fmt: skip
         config = transformers.Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tok), **TEXT),
+            text_config=dict(vocab_size=len(tok), rope_parameters=rope, **TEXT),
+            vision_config=vision,
             image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+            vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         )
-        processor.save_pretrained(out)
-        tok.save_pretrained(out)
-        (out / "config.json").write_text(config.to_json_string())
-        return out
     elif kind == "mistral3":  # PixtralProcessor needs torchvision: its image processor only
         tok = _tokenizer(out, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"], "[IMG]")
         processor = transformers.PixtralImageProcessor(size={"longest_edge": 56}, patch_size=7)
@@ -116,3 +120,26 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
     model.save_pretrained(out)
     (out / "slipstream_test.json").write_text(json.dumps({"kind": kind}))
     return out
+
+
+def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
+    """transformers + peft's loss summed over labelled tokens, one example at a time
+    (`inputs(ex)`: the model's keyword inputs of one example), backpropagated."""
+    ref = 0
+    for ex in examples:
+        labels = torch.tensor([[i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)]])
+        out = peft_model(**inputs(ex), labels=labels)
+        ref = ref + out.loss * int((labels[0, 1:] != -100).sum())
+    ref.backward()
+    return ref
+
+
+def assert_lora_grads_match(ours, peft_model) -> None:
+    """Every trained tensor's gradient equals peft's (1e-4 of its largest entry: float32)."""
+    theirs = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            key = name.replace(".lora_A.", ".lora_A.default.")
+            key = key.replace(".lora_B.", ".lora_B.default.")
+            scale = theirs[key].grad.abs().max()
+            torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
