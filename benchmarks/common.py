@@ -93,6 +93,35 @@ REAL_SHAPES = {  # real shapes, from the published config.json files
                                              "partial_rotary_factor": 0.25},
                             max_position_embeddings=262144),
 }  # fmt: skip
+# Gemma 4 text models. These shapes come from public descriptions of the published configs,
+# not the config.json files (no network here): check them against the hub before quoting
+# figures per model.
+REAL_SHAPES["gemma4-e4b"] = dict(
+    model_type="gemma4_text",
+    vocab_size=262144,
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_hidden_layers=42,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144,
+    num_kv_shared_layers=18,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+)
+REAL_SHAPES["gemma4-26b-a4b"] = dict(
+    model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112,
+    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+    global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+    sliding_window=1024, hidden_size_per_layer_input=0, enable_moe_block=True,
+    num_experts=128, top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0,
+    tie_word_embeddings=True, max_position_embeddings=262144,
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- models

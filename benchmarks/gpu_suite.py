@@ -6,10 +6,11 @@ Writes JSON to `--out` (default `$OUT/gpu_suite.json` when OUT is set, else gpu_
 and prints a markdown table last.
 
 Models are random-initialised with real shapes (no weights): Qwen3-0.6B, Qwen3-8B, when
-the `gpt_oss` family exists a GPT-OSS-20B-shaped MoE, and last Qwen3.5-9B and
-Qwen3.5-35B-A3B (hybrid Gated DeltaNet; fla's kernels when flash-linear-attention imports).
-Every row trains at 16k tokens per step (16 packed sequences), bf16, LoRA r=16 alpha=32 on
-all linear layers unless it says "full".
+the `gpt_oss` family exists a GPT-OSS-20B-shaped MoE, and last (the first rows the time
+guard cuts) Qwen3.5-9B and Qwen3.5-35B-A3B (hybrid Gated DeltaNet; fla's kernels when
+flash-linear-attention imports), Gemma 4 E4B (per-layer inputs, K/V sharing) and 26B-A4B
+(MoE). Every row trains at 16k tokens per step (16 packed sequences), bf16, LoRA r=16
+alpha=32 on all linear layers unless it says "full".
 Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - ours: everything on (LoRA, offload with double-buffered reloads, metadata built once);
 - ablations: metadata cache off (per-layer rebuild, `common.rebuild_attend`), offload single
@@ -96,9 +97,15 @@ def variants(has_moe_family: bool) -> list[Variant]:
         Variant("ours, everything on", "qwen3.5-35b-a3b", need_s=120),
         Variant("transformers + PEFT", "qwen3.5-35b-a3b", impl="hf", need_s=150),
     ]
+    gemma4 = [  # last: the newest family's rows, cut first by the time guard
+        Variant("ours, everything on", "gemma4-e4b", need_s=60),
+        Variant("transformers + PEFT", "gemma4-e4b", impl="hf", need_s=90),
+        Variant("ours, everything on", "gemma4-26b-a4b", need_s=90),
+        Variant("transformers + PEFT", "gemma4-26b-a4b", impl="hf", need_s=120),
+    ]
     if has_moe_family:
-        return rows[:5] + moe[:1] + rows[5:] + moe[1:] + qwen35
-    return rows + [Variant(v.name, v.model, impl="skip") for v in moe] + qwen35
+        return rows[:5] + moe[:1] + rows[5:] + moe[1:] + qwen35 + gemma4
+    return rows + [Variant(v.name, v.model, impl="skip") for v in moe] + qwen35 + gemma4
 
 
 class RowTimeout(Exception):
@@ -177,6 +184,33 @@ def make_setup(args) -> Setup:
                       "full_attention"], shared_expert_intermediate_size=32)  # fmt: skip
         for name, kind in (("qwen3.5-9b", "qwen3_5_text"), ("qwen3.5-35b-a3b", "qwen3_5_moe_text")):
             shapes[name] = common.hf_config(kind, **{**tiny, **linear})
+        for name in ("gemma4-e4b", "gemma4-26b-a4b"):  # real per-layer structure, tiny sizes
+            big = common.REAL_SHAPES[name]
+            small = {
+                **tiny,
+                "num_hidden_layers": 4,
+                "global_head_dim": 32,
+                "sliding_window": 8,
+                "vocab_size_per_layer_input": tiny["vocab_size"],
+                "num_kv_shared_layers": 2 if big.get("num_kv_shared_layers") else 0,
+            }
+            keep = (
+                "hidden_size_per_layer_input",
+                "enable_moe_block",
+                "attention_k_eq_v",
+                "num_global_key_value_heads",
+                "final_logit_softcapping",
+                "top_k_experts",
+            )
+            small.update(
+                {
+                    k: min(big[k], 16) if k == "hidden_size_per_layer_input" else big[k]
+                    for k in keep
+                    if k in big
+                }
+            )
+            small["layer_types"] = ["sliding_attention", "full_attention"] * 2
+            shapes[name] = common.hf_config("gemma4_text", **small)
         lengths = common.split_lengths(192, 4)
         return Setup(torch.device("cpu"), torch.float32, lengths, 1, 1, True, deadline, shapes)
     if not torch.cuda.is_available():

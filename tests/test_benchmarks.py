@@ -173,6 +173,7 @@ def test_gpu_suite_dry_run_all(tmp_path, capsys):
     rows = gpu_suite.main(["--dry-run", "--out", str(tmp_path / "suite.json")])
     models = {"qwen3-0.6b", "qwen3-8b"} | ({"gpt-oss-20b"} if "gpt_oss" in FAMILIES else set())
     models |= {"qwen3.5-9b", "qwen3.5-35b-a3b"}
+    models |= {"gemma4-e4b", "gemma4-26b-a4b"}
     check_suite_rows(rows, capsys.readouterr().out, models)
     loop = [r for r in rows if r["variant"].startswith("MoE one-pass off")]
     if "gpt_oss" in FAMILIES:
