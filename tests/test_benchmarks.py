@@ -23,6 +23,7 @@ import bench_attention  # noqa: E402
 import bench_cpu_step  # noqa: E402
 import bench_dpo  # noqa: E402
 import bench_eval  # noqa: E402
+import bench_gemma4  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_generic  # noqa: E402
 import bench_kto_reward  # noqa: E402
@@ -227,6 +228,20 @@ def test_dpo_quick(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_gemma4_quick(capsys):
+    """Native and generic Gemma 4 (dense, MoE) on one checkpoint: the same first loss, 0 syncs."""
+    rows = bench_gemma4.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_generic.COLUMNS)
+    assert [r["model"] for r in rows] == ["gemma4_text (dense)"] * 2 + ["gemma4_text (moe)"] * 2
+    for native, generic in (rows[:2], rows[2:]):
+        assert native["syncs/step"] == generic["syncs/step"] == 0
+        assert (
+            abs(native["loss (step 0)"] - generic["loss (step 0)"])
+            < 1e-4 * generic["loss (step 0)"]
+        )
+
+
 def test_generic_quick(capsys):
     """Native and generic families on one checkpoint give the same loss with 0 syncs; the
     generic packed step and transformers + PEFT's padded one train the same tokens from the
