@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers.gguf_tokenizer import VOCAB
 from helpers.gguf_tokenizer import tokenizer as tokenizer  # noqa: F401 (module fixture)
-from helpers.tiny_hf import tiny_config
+from helpers.tiny_hf import quiet as quiet  # noqa: F401 (module fixture)
+from helpers.tiny_hf import save_tiny
 
 from slipstream.checkpoint.gguf_export import export_gguf
 from slipstream.checkpoint.hf import load_model
@@ -19,20 +20,8 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, head_dim=1
 PROMPT = "Hello, how are you doing today? I went hiking in the mountains."
 
 
-@pytest.fixture(scope="module")
-def quiet():
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-
-
 def _generic(tmp_path, model_type, implementation="auto", **overrides):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = tiny_config(model_type, **{**SIZES, **overrides})
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / model_type)
+    save_tiny(tmp_path / model_type, model_type, **{**SIZES, **overrides})
     return load_model(tmp_path / model_type, implementation=implementation)
 
 

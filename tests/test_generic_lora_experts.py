@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers.models import shifted_labels
 from helpers.peft_grads import lora_grads
-from helpers.tiny_hf import tiny_config
+from helpers.tiny_hf import quiet as quiet  # noqa: F401 (module fixture)
+from helpers.tiny_hf import save_tiny
 
 from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.checkpoint.hf import load_model
@@ -23,22 +24,6 @@ from slipstream.peft.lora_experts import LoRAStackedExperts, expert_lora_modules
 
 LENGTHS = [7, 11, 3]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-@pytest.fixture(scope="module")
-def quiet():
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-
-
-def _checkpoint(folder, model_type):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(folder)
-    return folder
 
 
 def _batch(seed=1):
@@ -59,7 +44,7 @@ def test_generic_expert_lora_is_the_native_adapter(tmp_path, quiet, monkeypatch)
     as natively (the same adapter_config targets and tensor keys), the native adapter loads
     into it with equal logits and loss, the experts still run our one pass (one routing
     plan per MoE layer and forward), and merging folds the experts' factors in."""
-    folder = _checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    folder = save_tiny(tmp_path / "ckpt", "qwen3_moe")
     native = load_model(folder)
     apply_lora(native, rank=4, alpha=8)
     _randomise(native)
@@ -112,7 +97,7 @@ def test_all_linear_on_a_shared_expert_model_loads_in_peft(tmp_path, quiet):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folder = _checkpoint(tmp_path / "ckpt", "qwen2_moe")
+    folder = save_tiny(tmp_path / "ckpt", "qwen2_moe")
     ours = load_model(folder)
     apply_lora(ours, rank=4, alpha=8, targets="all-linear")
     _randomise(ours)

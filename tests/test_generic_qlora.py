@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 from helpers.models import shifted_labels
-from helpers.tiny_hf import tiny_config
+from helpers.tiny_hf import quiet as quiet  # noqa: F401 (module fixture)
+from helpers.tiny_hf import save_tiny
 
 from slipstream.checkpoint.adapter import save_adapter
 from slipstream.checkpoint.hf import load_model
@@ -21,22 +22,6 @@ bnb = pytest.importorskip("bitsandbytes")
 LENGTHS = [9, 14, 5]
 SIZES = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
              shared_expert_intermediate_size=64)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def quiet():
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-
-
-def _checkpoint(folder, model_type):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(model_type, **SIZES)).save_pretrained(folder)
-    return folder
 
 
 def _batch(seed=1):
@@ -52,7 +37,7 @@ def test_generic_nf4_is_native_nf4(tmp_path, quiet):
     """Llama through transformers' code with quantize="nf4": the same linears are NF4 (the
     decoder projections; not the head), holding the same bits, so the logits are native
     QLoRA's; a shared expert's one-output gate (a router) stays full precision."""
-    _checkpoint(tmp_path / "llama", "llama")
+    save_tiny(tmp_path / "llama", "llama", **SIZES)
     native = load_model(tmp_path / "llama", quantize="nf4")
     generic = load_model(tmp_path / "llama", quantize="nf4", implementation="transformers")
     assert type(generic).__name__ == "GenericCausalLM"
@@ -63,7 +48,7 @@ def test_generic_nf4_is_native_nf4(tmp_path, quiet):
     ids, _, seq = _batch()
     with torch.no_grad():
         torch.testing.assert_close(generic(ids, seq), native(ids, seq), atol=1e-6, rtol=1e-6)
-    _checkpoint(tmp_path / "moe", "qwen2_moe")
+    save_tiny(tmp_path / "moe", "qwen2_moe", **SIZES)
     moe = load_model(tmp_path / "moe", quantize="nf4")
     names = _nf4_names(moe)
     assert "model.layers.0.mlp.shared_expert.down_proj" in names
@@ -101,7 +86,7 @@ def test_qlora_adapter_of_a_generic_model_loads_in_peft(tmp_path, quiet, model_t
 
     from slipstream.checkpoint.export import export_merged
 
-    folder = _checkpoint(tmp_path / "ckpt", model_type)
+    folder = save_tiny(tmp_path / "ckpt", model_type, **SIZES)
     model = load_model(folder, quantize="nf4")
     apply_lora(model, rank=4, alpha=8)
     frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}

@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 from helpers.runs import chat_rows, lora_with_dropout, losses, run_config, train_until_signal
-from helpers.tiny_hf import tiny_config
+from helpers.tiny_hf import quiet as quiet  # noqa: F401 (module fixture)
+from helpers.tiny_hf import save_tiny
 from helpers.tokenizers import save_test_tokenizer
 from helpers.torchrun import check, free_port, train_job
 
@@ -25,28 +26,12 @@ from slipstream.train import train
 
 
 @pytest.fixture(scope="module")
-def quiet():
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-
-
-def _checkpoint(folder, model_type, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def olmo2_run(tmp_path_factory, quiet):
     """(model folder, train.jsonl): a tiny OLMo 2 (no native family) with a chat tokenizer."""
     root = tmp_path_factory.mktemp("olmo2")
     model_dir = root / "model"
     save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    _checkpoint(model_dir, "olmo2", vocab_size=300)
+    save_tiny(model_dir, "olmo2", vocab_size=300)
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
     return model_dir, data
@@ -69,7 +54,7 @@ def test_fsdp2_shards_each_transformers_decoder_layer(tmp_path, quiet, monkeypat
 
     from slipstream import distributed as sdist
 
-    _checkpoint(tmp_path / "ckpt", "olmo2")
+    save_tiny(tmp_path / "ckpt", "olmo2")
     plain, sharded = (load_model(tmp_path / "ckpt") for _ in range(2))
     for m in (plain, sharded):
         torch.manual_seed(1)
@@ -168,7 +153,7 @@ def test_compile_picks_the_softmax_attention_and_dense_blocks(tmp_path, quiet, m
     """`train.compile` on a transformers-built model: its softmax-attention blocks and dense
     MLPs compile; MoE blocks (stacked experts) and per-sequence token mixers stay eager
     (Qwen3-Next: linear attention in layer 0, MoE MLPs)."""
-    _checkpoint(tmp_path / "ckpt", model_type)
+    save_tiny(tmp_path / "ckpt", model_type)
     model = load_model(tmp_path / "ckpt")
     assert regional.apply_compile(model, backend="aot_eager") == len(blocks)
     compiled = [n for n, m in model.named_modules() if m._compiled_call_impl is not None]
@@ -182,7 +167,7 @@ def test_compiled_generic_blocks_match_eager(tmp_path, quiet, cheap_backend):
     Slow: the first batch compiles for ~35 s on 2 cores."""
     from helpers.models import compiled_graphs
 
-    _checkpoint(tmp_path / "ckpt", "mixtral")
+    save_tiny(tmp_path / "ckpt", "mixtral")
     eager, compiled = (load_model(tmp_path / "ckpt") for _ in range(2))
     for m in (eager, compiled):
         torch.manual_seed(1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 # Sizes set wherever the config class has the attribute (its text config for multimodal ones).
 TINY: dict[str, Any] = {
     "vocab_size": 96,
@@ -128,3 +130,23 @@ def _has(config, key: str) -> bool:
         return hasattr(config, key)
     except Exception:  # Gemma 4: a per-layer attribute (head_dim) has no global value
         return False
+
+
+def save_tiny(folder, model_type: str, seed: int = 0, **overrides: Any):
+    """transformers' random model of `tiny_config(model_type, **overrides)` (seeded), saved
+    to `folder` by its save_pretrained; returns `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def quiet():
+    """transformers' warnings and progress bars off (import the fixture by name)."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
