@@ -1,5 +1,6 @@
 """GGUF export of models built by transformers' modeling code (checkpoint/gguf_generic.py):
-OLMo 2 and Mixtral as llama.cpp names and lays them out; in llama.cpp itself (llama-cpp-python,
+OLMo 2 and Mixtral as llama.cpp names and lays them out; Qwen2-MoE read back by transformers'
+own GGUF reader; in llama.cpp itself (llama-cpp-python,
 the `slipstream[gguf]` extra: skipped where it is not installed) their logits and greedy
 tokens are ours; other types are refused in one line naming the type."""
 
@@ -78,6 +79,30 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
         assert len(tensors) == 3 + 2 * 11
 
 
+def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, tokenizer):  # noqa: F811
+    """Qwen2-MoE (llama.cpp's qwen2moe: stacked experts split, the shared expert and its gate
+    as one vector): transformers' own GGUF reader, written after llama.cpp's converter, gets
+    back the config fields it reads and, on the original config, our logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = _generic(tmp_path, "qwen2_moe")
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    with torch.no_grad():
+        ref = model(ids, SeqInfo.from_lengths([len(ids)]))
+    export_gguf(model, tmp_path / "qwen2_moe" / "m.gguf", "f32", tokenizer=tokenizer)
+    folder = tmp_path / "qwen2_moe"
+    read = AutoConfig.from_pretrained(folder, gguf_file="m.gguf")
+    want = AutoConfig.from_pretrained(folder)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "num_experts", "num_experts_per_tok", "vocab_size")  # fmt: skip
+    assert {k: getattr(read, k) for k in keys} == {k: getattr(want, k) for k in keys}
+    assert read.rope_parameters["rope_theta"] == want.rope_parameters["rope_theta"]
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf", config=want,
+                                              dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids[None]).logits[0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
     lfm2 = _generic(tmp_path, "lfm2")
     with pytest.raises(ValueError, match="model_type 'lfm2' has no llama.cpp architecture") as e:
@@ -89,10 +114,13 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
     windowed = _generic(tmp_path, "mixtral", sliding_window=8)
     with pytest.raises(ValueError, match="mixtral with sliding_window=8: llama.cpp"):
         export_gguf(windowed, tmp_path / "c.gguf", "f32", tokenizer=tokenizer)
+    normed = _generic(tmp_path, "qwen2_moe", norm_topk_prob=True)
+    with pytest.raises(ValueError, match="qwen2_moe with norm_topk_prob=true: llama.cpp"):
+        export_gguf(normed, tmp_path / "d.gguf", "f32", tokenizer=tokenizer)
     assert not list(tmp_path.glob("*.gguf"))
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["olmo2", "mixtral", "qwen2_moe"])
 def test_llama_cpp_runs_a_generic_gguf_as_we_do(tmp_path, quiet, tokenizer, model_type):  # noqa: F811
     """llama.cpp's logits (relative 5e-3: it keeps K/V in f16) and 8 greedy tokens equal ours."""
     pytest.importorskip("llama_cpp")

@@ -9,6 +9,10 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
 - mixtral: llama.cpp runs Mixtral as llama with experts: Q and K rows permuted per head (as
   native llama), the stacked experts split into gate/up (FUSED_EXPERTS), the router kept f32.
 
+- qwen2_moe: llama.cpp's QWEN2MOE: the experts split as Mixtral's, the shared expert and its
+  sigmoid gate (`ffn_*_shexp`, `ffn_gate_inp_shexp`); llama.cpp does not renormalise the
+  top-k router weights (transformers' default, norm_topk_prob=false; true is refused).
+
 A model type with no spec here is a one-line refusal naming it (gguf_arch.spec_for).
 No torch import at module level (gguf_spec.py says why).
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.checkpoint.gguf_spec import GGUFSpec, rotary_rows
+from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows
 
 
 def _no_tensors(cfg: Any):
@@ -55,6 +59,27 @@ def _mixtral_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_expert_used_count(int(hf["num_experts_per_tok"]))
 
 
+def _qwen2_moe_check(cfg: Any, hf: dict) -> None:
+    if hf.get("norm_topk_prob"):
+        raise ValueError(
+            "GGUF export: qwen2_moe with norm_topk_prob=true: llama.cpp's qwen2moe does not "
+            "renormalise the top-k router weights, so it would compute another model."
+        )
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            "GGUF export: qwen2_moe with dense layers (mlp_only_layers/decoder_sparse_step): "
+            "llama.cpp's qwen2moe expects a MoE block in every layer."
+        )
+
+
+def _qwen2_moe_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_expert_count(int(hf["num_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+    w.add_expert_shared_feed_forward_length(int(hf["shared_expert_intermediate_size"]))
+
+
 OLMO2 = GGUFSpec(
     "OLMO2", "olmo2", ("olmo2",), write_metadata=rope_from_hf, extra_tensors=_no_tensors
 )
@@ -71,4 +96,21 @@ MIXTRAL = GGUFSpec(
     ),
 )
 
-GENERIC_SPECS = {t: spec for spec in (OLMO2, MIXTRAL) for t in spec.model_types}
+QWEN2MOE = GGUFSpec(
+    "QWEN2MOE",
+    "qwen2moe",
+    ("qwen2_moe",),
+    check=_qwen2_moe_check,
+    write_metadata=_qwen2_moe_metadata,
+    extra_tensors=_no_tensors,
+    transforms=(  # the shared expert's gate (1, D): one vector in llama.cpp ({n_embd})
+        TensorTransform(
+            ("mlp.shared_expert_gate.weight",),
+            lambda cfg, name, t: [(name, t.reshape(-1))],
+            lambda cfg, name, parts: iter([(name, parts[0].reshape(1, -1))]),
+        ),
+    ),
+    pre_tokenizer="qwen2",
+)
+
+GENERIC_SPECS = {t: spec for spec in (OLMO2, MIXTRAL, QWEN2MOE) for t in spec.model_types}
