@@ -1,0 +1,156 @@
+"""Image+text training on CPU: slipstream's packed micro-batches against transformers + peft
+on the same examples as one right-padded batch (what TRL's vision collator feeds the model).
+
+Run: `python benchmarks/bench_vision.py [--reps 3] [--json FILE]` (minutes on 2 cores),
+`--quick` (seconds, tiny shapes: a smoke run).
+
+Model: a random Qwen2.5-VL (tests/helpers/tiny_vlm.py's, text hidden 32 x2 layers; the
+default run widens nothing: the tower and the padding are what differ), LoRA r4 on the
+language model, tower frozen. Data: chats of one or two random images whose sizes vary
+(28..140 px a side, so 1..25 feature rows an image) and replies of 2..30 words. A step is
+the examples the best-fit packer puts in one `--tokens` batch; slipstream runs them packed
+(`model.loss` over the labelled positions, backward), transformers + peft as one batch
+padded to its longest example (attention_mask, mm_token_type_ids, the same pixel patches and
+grids), forward + backward. tokens/s counts real tokens; images/s images; "computed" the
+padded batch's positions.
+
+Prediction: about the padding ratio (real / computed), here 1.3-2x; the vision tower costs
+the same in both (it runs once over the same patches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from helpers.tiny_vlm import random_image, vlm_folder  # noqa: E402
+
+import slipstream  # noqa: E402
+from slipstream.data import collate, pack_examples, tokenize_rows  # noqa: E402
+from slipstream.data.vision import ImageExample, ImageProcessing, image_inputs  # noqa: E402
+
+WORDS = [
+    "the",
+    "red",
+    "blue",
+    "green",
+    "square",
+    "circle",
+    "small",
+    "large",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "one",
+    "two",
+]
+
+
+def rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        sizes = [(rng.randint(28, 140), rng.randint(28, 140)) for _ in range(rng.randint(1, 2))]
+        images = [
+            random_image(h, w, seed=seed * 1000 + i * 3 + k) for k, (h, w) in enumerate(sizes)
+        ]
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Describe."}]
+        reply = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30)))
+        turns = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+        out.append({"messages": turns, "images": images})
+    return out
+
+
+def padded_inputs(examples: list[ImageExample], side: ImageProcessing, pad: int) -> dict:
+    """One right-padded batch of the examples, as transformers takes it."""
+    longest = max(len(ex) for ex in examples)
+    ids = torch.full((len(examples), longest), pad)
+    labels = torch.full((len(examples), longest), -100)
+    mask = torch.zeros((len(examples), longest), dtype=torch.long)
+    for b, ex in enumerate(examples):
+        n = len(ex)
+        ids[b, :n] = torch.tensor(ex.input_ids)
+        labels[b, :n] = torch.tensor([i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)])
+        mask[b, :n] = 1
+    return dict(
+        input_ids=ids, attention_mask=mask, labels=labels,
+        mm_token_type_ids=(ids == side.image_token_id).int(),
+        pixel_values=torch.cat([ex.images["pixel_values"] for ex in examples]),
+        image_grid_thw=torch.cat([ex.images["image_grid_thw"] for ex in examples]),
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.quick:
+        args.rows, args.tokens, args.reps = 8, 256, 1
+    torch.manual_seed(0)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = vlm_folder(Path(tmp), "qwen2_5_vl")
+        tok = AutoTokenizer.from_pretrained(folder)
+        side = ImageProcessing.from_model(str(folder), tok)
+        examples, _ = tokenize_rows(rows(args.rows, 0), tok, max_tokens=args.tokens, images=side)
+        batches = pack_examples([len(ex) for ex in examples], args.tokens)
+        ours = slipstream.load_model(folder)
+        slipstream.apply_lora(ours, rank=4, alpha=8)
+        hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        linears = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+        targets = rf"model\.language_model\.layers\.\d+\.{linears}"
+        theirs = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        pad = tok.pad_token_id or 0
+        results = {"ours": [], "padded": []}
+        real = sum(len(ex) for ex in examples)
+        images = sum(len(ex.sizes) for ex in examples if isinstance(ex, ImageExample))
+        computed = sum(len(b) * max(len(examples[i]) for i in b) for b in batches)
+        for _ in range(args.reps):
+            for name in results:
+                start = time.perf_counter()
+                for b in batches:
+                    chosen = [examples[i] for i in b]
+                    if name == "ours":
+                        batch = collate(chosen)
+                        loss = ours.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum",
+                                         label_positions=batch.label_positions,
+                                         images=image_inputs(batch.fields))  # fmt: skip
+                    else:
+                        loss = theirs(**padded_inputs(chosen, side, pad)).loss
+                    loss.backward()
+                results[name].append(time.perf_counter() - start)
+    best = {k: min(v) for k, v in results.items()}
+    report = {
+        "rows": args.rows, "micro_batches": len(batches), "tokens": real, "images": images,
+        "padded_positions": computed, "padding_ratio": round(real / computed, 3),
+        "load_average": os.getloadavg()[0],
+    }  # fmt: skip
+    for name, seconds in best.items():
+        report[f"{name}_s"] = round(seconds, 3)
+        report[f"{name}_tokens_per_s"] = round(real / seconds, 1)
+        report[f"{name}_images_per_s"] = round(images / seconds, 2)
+    report["speedup"] = round(best["padded"] / best["ours"], 2)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
