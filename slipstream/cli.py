@@ -168,6 +168,8 @@ def add_generation_commands(sub: Any) -> None:
     gen.add_model_args(p)
     gen.add_sampling_args(p, max_new_tokens=512)
     p.add_argument("--system", help="a system message to start the chat with")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image shown with the first message (repeatable)")  # fmt: skip
     p.set_defaults(run=gen.cmd_chat)
 
 

@@ -113,3 +113,21 @@ def test_generate_with_image_from_the_run_folder(run_dir, tmp_path, capsys):
     assert cli.main(["generate", str(out), "hi", "--image", "nope.png"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image nope.png: no such image file" in err[0]
+
+
+def test_chat_with_an_image_answers_as_generate(run_dir, monkeypatch, capsys):
+    import io
+
+    import slipstream
+
+    folder, data, _ = run_dir
+    image = str(data.parent / "pics" / "img2.png")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Which is it?\n/exit\n"))
+    assert cli.main(["chat", str(folder), "--image", image, "--max-new-tokens", "4"]) == 0
+    reply = capsys.readouterr().out.split("assistant> ")[1].split("\n")[0]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = [{"role": "user", "content": [{"type": "image", "path": image},
+                                           {"type": "text", "text": "Which is it?"}]}]  # fmt: skip
+    (c,) = slipstream.generate(slipstream.load_model(folder), [prompt], tokenizer=tok,
+                               max_new_tokens=4)  # fmt: skip
+    assert reply.strip() == c.text.strip() and reply.strip()

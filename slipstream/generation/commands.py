@@ -96,20 +96,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--input needs --output FILE.jsonl for the completions")
     if args.input is None and args.output is not None:
         raise ValueError("--output is for a file of prompts: give --input FILE.jsonl too")
-    images = getattr(args, "image", None) or []
+    images = check_images(args)
     if images and args.input is not None:
         raise ValueError("--image is for one prompt; in a jsonl file give image parts")
-    for path in images:
-        if not Path(path).expanduser().is_file():
-            raise ValueError(f"--image {path}: no such image file")
     if args.input is None:
         model, tokenizer = load(args)
         from slipstream.generation.api import as_prompt, generate_rows
 
         prompt = as_prompt(args.prompt, tokenizer, args.raw)
         if images:  # a user turn of image parts, then the text
-            parts = [{"type": "image", "path": str(Path(p).expanduser())} for p in images]
-            prompt = [{"role": "user", "content": [*parts, {"type": "text", "text": args.prompt}]}]
+            prompt = with_images([{"role": "user", "content": args.prompt}], images)
         for c in generate_rows(model, [prompt], **generate_kwargs(args, tokenizer)):
             print(c.text.strip())
         return 0
@@ -126,6 +122,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
             written = write_completions(model, prompts, rows, f, args, kw)
     print(f"slipstream: {written} completions of {len(prompts)} prompts written to {out}")
     return 0
+
+
+def check_images(args: argparse.Namespace) -> list[str]:
+    """--image paths (each an existing file; one line otherwise), expanded."""
+    images = [str(Path(p).expanduser()) for p in getattr(args, "image", None) or []]
+    for path in images:
+        if not Path(path).is_file():
+            raise ValueError(f"--image {path}: no such image file")
+    return images
+
+
+def with_images(messages: list[dict], images: list[str]) -> list[dict]:
+    """The messages with `images` as image parts before the first user message's text."""
+    if not images:
+        return messages
+    out, done = [], False
+    for m in messages:
+        if m["role"] == "user" and not done:
+            parts = [{"type": "image", "path": p} for p in images]
+            m, done = {**m, "content": [*parts, {"type": "text", "text": m["content"]}]}, True
+        out.append(m)
+    return out
 
 
 def generate_kwargs(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -242,11 +260,13 @@ def completion_row(c: Completion, line: int, sample: int) -> dict:
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read a message, stream the reply, repeat (generation/chat.py: the loop, its commands)."""
     check_args(args)
+    images = check_images(args)
     model, tokenizer = load(args, chat=True)
     from slipstream.generation.api import generate_rows
     from slipstream.generation.chat import chat_loop
 
     def respond(messages: list[dict], on_text) -> str:
+        messages = with_images(messages, images)  # --image: before the first user message
         # A stop check (one sync) every 2 tokens: the reply appears as it is written.
         return generate_rows(model, [messages], tokenizer=tokenizer, check_every=2,
                              on_text=lambda i, new: on_text(new),
