@@ -215,6 +215,9 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
     if inp.world > 1:
         c["DDP buckets + NCCL buffers (estimate)"] = grads + NCCL_BUFFERS
     if inp.device == "cpu":
+        # glibc keeps freed blocks under its mmap threshold (memory/host_heap.py) for reuse:
+        # at the peak (a loss chunk, mapped afresh) it still holds the layers' freed ones.
+        c["freed heap blocks glibc keeps (< 32 MiB each)"] = r.heap_held
         c["process (libraries, heap)"] = _rss_now()
     if inp.device == "cpu" and mode == "offload":
         notes.append("on CPU offload means recompute (nothing to move to)")

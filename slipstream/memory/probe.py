@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slipstream.memory.host_heap import MMAP_THRESHOLD
 from slipstream.memory.tracker import LiveTensors
 
 
@@ -54,6 +55,7 @@ class ProbeResult:
     hidden: int
     step_peak: int  # most bytes alive during forward + backward beyond the parameters
     after_forward: int  # bytes alive when forward returned (saved activations, checkpoints)
+    heap_held: int = 0  # freed blocks under glibc's mmap threshold held at the peak (CPU)
 
 
 class _FlashStandIn(torch.autograd.Function):
@@ -195,7 +197,7 @@ def probe_step(setup: ProbeSetup, lengths: list[int], model=None) -> ProbeResult
     held = tensors + [ids, positions, seq.position_ids]
     with (
         _meta_kernels(setup.half_attention_in_float32, setup.device),
-        LiveTensors("meta", include=held) as live,
+        LiveTensors("meta", include=held, small_bytes=MMAP_THRESHOLD) as live,
     ):
         loss = model.loss(ids, ids, seq, reduction="sum", label_positions=positions)
         after_forward = live.current - live.start
@@ -211,4 +213,5 @@ def probe_step(setup: ProbeSetup, lengths: list[int], model=None) -> ProbeResult
         hidden=model.config.hidden_size,
         step_peak=live.peak - live.start,
         after_forward=after_forward,
+        heap_held=live.heap_held,
     )
