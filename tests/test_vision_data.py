@@ -203,3 +203,10 @@ def test_qwen_vl_placeholders_follow_the_grid_where_its_processor_cannot_be_buil
     assert len(ex.feature_rows()) == sum(expected)
     assert ex.images["image_grid_thw"].tolist() == grids
     assert ex.sizes == [(h * 14, w * 14) for _, h, w in grids]
+
+
+def test_a_hub_model_s_image_side_offline_and_uncached_is_one_line(llava, monkeypatch):
+    _, tok, _ = llava
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="'nobody/no-such-vlm' is a hub id, but the hub cannot"):
+        ImageProcessing.from_model("nobody/no-such-vlm", tok)

@@ -33,6 +33,7 @@ from slipstream.data.images import vision_messages
 from slipstream.data.labels import Example, encode_chat
 from slipstream.data.mrope import mrope_positions
 from slipstream.data.rows import RowError
+from slipstream.sources import is_hub_id
 
 log = logging.getLogger("slipstream")
 
@@ -136,8 +137,11 @@ class ImageProcessing:
 
     @classmethod
     def from_model(cls, path: str, tokenizer: Any) -> ImageProcessing | None:
-        """The image side of a local checkpoint folder, or None for a text-only one."""
+        """The image side of a checkpoint (a local folder, or a hub id whose config files
+        are fetched), or None for a text-only one."""
         folder = Path(path)
+        if not folder.exists() and is_hub_id(str(path)):
+            folder = _hub_config_files(str(path))
         has = any(
             (folder / n).is_file() for n in ("preprocessor_config.json", "processor_config.json")
         )
@@ -228,6 +232,20 @@ class ImageProcessing:
 
 def _render(tokenizer: Any, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _hub_config_files(repo_id: str) -> Path:
+    """A hub checkpoint's config, processor and template files (the cache when offline)."""
+    from huggingface_hub import snapshot_download
+
+    from slipstream.hub import hub_error, hub_files_only
+
+    files_only = hub_files_only(repo_id, "model.path")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.jinja"],
+                                      local_files_only=files_only))  # fmt: skip
+    except Exception as e:  # offline, unknown repo, gated: huggingface_hub's own words
+        raise hub_error("model.path", repo_id, "processor", e) from None
 
 
 def _config_json(folder: str) -> dict:
