@@ -170,6 +170,16 @@ def test_image_rows_pack_with_the_rows_their_features_fill(llava, tmp_path):
     torch.testing.assert_close(moved.fields["pixel_values"], batch.fields["pixel_values"])
 
 
+def test_images_beside_another_row_format_are_a_counted_skip(llava):
+    _, tok, side = llava
+    turns = [{"from": "human", "value": "<image>What?"}, {"from": "gpt", "value": "A cat."}]
+    sharegpt = {"conversations": turns, "images": ["a.png"]}
+    ok = _row([random_image(9, 9)])
+    examples, report = _tokenize([ok, sharegpt], tok, side)
+    assert len(examples) == 1 and dict(report.skipped) == {"image_format": 1}
+    assert "images beside a 'sharegpt' row; give TRL's messages" in report.first_skip
+
+
 def test_a_text_model_still_counts_image_rows_as_skips(llava):
     _, tok, _ = llava
     rows = [

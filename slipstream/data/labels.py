@@ -125,6 +125,8 @@ def _encode_as(row, tokenizer, fmt, train_on, max_tokens, overlong, images=None)
     try:
         if images is not None and fmt == "messages" and has_images(row):
             return _encode_images(row, tokenizer, train_on, max_tokens, overlong, images)
+        if images is not None and row.get("images"):  # LLaMA-Factory sharegpt + images, say
+            raise RowError("image_format", f"images beside a {fmt!r} row; give TRL's messages")
         content = to_messages(row, fmt)
     except RowError as e:
         return None, f"{e.reason}: {e.detail}", False
