@@ -174,6 +174,12 @@ def test_vision_lora_adapter_wraps_the_tower_and_loads_in_peft(llava, tmp_path):
         expected = peft_model(input_ids=torch.tensor([ex.input_ids]),
                               pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    again = slipstream.load_adapter(slipstream.load_model(folder), tmp_path).eval()
+    assert [n for n in slipstream.peft.lora.lora_modules(again) if "vision_tower" in n]
+    with torch.no_grad():
+        back = again(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
+                     images=image_inputs(collate([ex]).fields))  # fmt: skip
+    torch.testing.assert_close(back, got, rtol=1e-5, atol=1e-6)
 
 
 def test_vision_settings_under_full_fine_tuning_and_their_errors(llava):
@@ -188,6 +194,15 @@ def test_vision_settings_under_full_fine_tuning_and_their_errors(llava):
     assert trains == {"multi_modal_projector", "language_model", "weight"}  # lm_head.weight
     with pytest.raises(ValueError, match="vision.tower=full with train.finetune=lora"):
         vision_training(model, VisionSection(tower="full"), "lora", before_lora=True)
+    text = torch.nn.Linear(2, 2)  # a model without a vision side
+    with pytest.raises(ValueError, match="vision.projector=lora: this model has no vision side"):
+        vision_training(text, VisionSection(projector="lora"), "lora", before_lora=True)
+    from slipstream.config import load_config
+
+    keys = ["model.path=m", "data.train=d.jsonl", "output_dir=o"]
+    assert load_config(None, [*keys, "vision.tower=lora"]).vision.tower == "lora"
+    with pytest.raises(ValueError, match="vision.tower"):
+        load_config(None, [*keys, "vision.tower=half"])
 
 
 def test_greedy_generation_with_images_equals_transformers_generate(llava):
