@@ -263,3 +263,22 @@ def test_gguf_export_is_refused_in_one_line(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=f"llama.cpp's {arch}\\) is not written") as e:
         export_gguf(load_model(path), tmp_path / "m.gguf", "f32")
     assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()
+
+
+def test_router_aux_loss_equals_transformers(tmp_path):
+    """output_router_logits: the loss adds router_aux_loss_coef * the load-balancing loss,
+    as transformers' Qwen3_5MoeForCausalLM does (one sequence: its aux is over the batch)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3_5_moe_text", layers=2, output_router_logits=True,
+                      router_aux_loss_coef=0.5)  # fmt: skip
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    ids, labels, seq = _batch(lengths=[20])
+    with torch.no_grad():
+        want = ref(input_ids=ids[None], labels=ids[None])
+        got, parts = ours.loss(ids, labels, seq, return_parts=True)
+    assert want.aux_loss > 0 and "aux_loss" in parts
+    assert abs(got.item() - want.loss.item()) <= 1e-5 * want.loss.item()
