@@ -279,3 +279,33 @@ def test_gguf_export_refuses_in_one_line(hf_dir, tmp_path):
     ) as e:
         export_gguf(slipstream.load_model(path), tmp_path / "m.gguf", "f16")
     assert "\n" not in str(e.value) and list(tmp_path.iterdir()) == []
+
+
+def test_generation_logprobs_are_of_the_softcapped_logits(hf_dir):
+    """The engine's log-probs (GRPO's rollout log-probs) are of transformers' logits, final
+    softcap included (tanh(z / 30) * 30 moves these by a few percent)."""
+    from slipstream.generation import engine
+
+    hf, path = hf_dir
+    ours = slipstream.load_model(path)
+    prompt = [5, 9, 11, 4, 30, 31]
+    greedy = engine.Sampling(0.0, 1.0, 0)
+    (row,) = engine.run(ours, [prompt], max_new_tokens=4, sampling=greedy, logprobs=True)
+    full = torch.tensor([prompt + list(row.token_ids)])
+    with torch.no_grad():
+        logp = hf(full).logits[0].log_softmax(-1)
+    n = len(prompt)
+    want = [logp[n - 1 + i, t].item() for i, t in enumerate(row.token_ids)]
+    assert row.logprobs == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_eval_scores_are_of_the_softcapped_logits(hf_dir):
+    from slipstream.evaluation.scoring import score
+
+    hf, path = hf_dir
+    context, continuation = [5, 9, 11, 4], [30, 31, 32]
+    ((logprob, _),) = score(slipstream.load_model(path), [(context, continuation)], max_length=64)
+    with torch.no_grad():
+        logp = hf(torch.tensor([context + continuation])).logits[0].log_softmax(-1)
+    want = sum(logp[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
+    assert logprob == pytest.approx(want, rel=1e-4)

@@ -92,7 +92,11 @@ def score(
     `on_batch(n)` is called after each batch with the number of requests it answered."""
     plan = Plan.build(requests, max_length, tokens_per_batch)
     weight = model.lm_head_weight()
-    head = head or (lambda h: torch.nn.functional.linear(h, weight))
+    raw_head = head or (lambda h: torch.nn.functional.linear(h, weight))
+
+    def head(h_ND: torch.Tensor) -> torch.Tensor:  # the model's logits: scaling, softcap
+        return model.finish_logits(raw_head(h_ND))
+
     device = weight.device
     by_sequence: dict[int, list[int]] = {}
     for r, (k, _) in enumerate(plan.requests):

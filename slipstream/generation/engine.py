@@ -99,7 +99,11 @@ def run(
     was_training = model.training
     model.eval()
     try:
-        with packed_linears(model, model.lm_head_weight(), len(rows)) as lm_head:
+        with packed_linears(model, model.lm_head_weight(), len(rows)) as raw_head:
+
+            def lm_head(h_BD: torch.Tensor) -> torch.Tensor:  # with scaling / final softcap
+                return model.finish_logits(raw_head(h_BD))
+
             return _run(model, lm_head, prompts, rows, n, sampling, set(stop_ids), find_stop,
                         generator, check_every, on_check, logprobs, images)  # fmt: skip
     finally:

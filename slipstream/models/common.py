@@ -311,10 +311,16 @@ class CausalLM(nn.Module):
         return self.model(input_ids_T, seq)[0]
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        logits_TV = F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
-        if self.logit_softcap is not None:
-            logits_TV = torch.tanh(logits_TV / self.logit_softcap) * self.logit_softcap
-        return logits_TV
+        return self.finish_logits(
+            F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+        )
+
+    def finish_logits(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """The head's raw logits as the model outputs them (final softcap, where it has one):
+        what generation and scoring apply after their own head matmul."""
+        if self.logit_softcap is None:
+            return logits_TV
+        return torch.tanh(logits_TV / self.logit_softcap) * self.logit_softcap
 
     def loss(
         self,

@@ -41,6 +41,10 @@ class LanguageModel(Protocol):
         """(V, D): the head's weight (the embedding's when tied)."""
         ...
 
+    def finish_logits(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """Raw head logits (h @ W^T) -> the model's logits (scaling, final softcap)."""
+        ...
+
     def kv_layout(self) -> list[tuple[int, int, int]]:
         """(kv heads, head dim, layer whose KV cache it reads) of each layer (generation)."""
         ...

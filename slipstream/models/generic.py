@@ -291,6 +291,10 @@ class GenericCausalLM(nn.Module):
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None) -> torch.Tensor:
         logits_TV = F.linear(self.hidden_states(input_ids_T, seq, images), self.lm_head_weight())
+        return self.finish_logits(logits_TV)
+
+    def finish_logits(self, logits_TV: torch.Tensor) -> torch.Tensor:
+        """The head's raw logits as transformers outputs them (logit scaling, softcap)."""
         if self.logit_scale != 1.0:
             logits_TV = logits_TV * self.logit_scale
         if self.softcap is not None:
