@@ -198,22 +198,24 @@ def test_merged_export_loads_in_transformers(checkpoint, tmp_path):
         assert _rel(_per_sequence(hf.float().eval(), ids), want) < 1e-4
 
 
-def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path):
-    """Qwen3_5ForConditionalGeneration's folder: the language model loads natively (text
-    logits = transformers'), the vision tower is passed through to the saved checkpoint."""
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_a_multimodal_checkpoint_loads_its_text_model(tmp_path, model_type):
+    """Qwen3_5(Moe)ForConditionalGeneration's folder: the language model loads natively
+    (text logits = transformers'), the vision tower is passed through to the saved
+    checkpoint."""
     from transformers import AutoModelForImageTextToText
 
     from slipstream.checkpoint.hf import save_model
 
     torch.manual_seed(0)
-    cfg = tiny_config("qwen3_5", layers=2)
+    cfg = tiny_config(model_type, layers=2)
     cfg.vision_config.depth, cfg.vision_config.hidden_size = 1, 16
     cfg.vision_config.intermediate_size, cfg.vision_config.num_heads = 16, 2
     cfg.vision_config.out_hidden_size = cfg.text_config.hidden_size
     ref = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager").float()
     ref.save_pretrained(tmp_path / "mm")
     ours = load_model(tmp_path / "mm")
-    assert ours.config.model_type == "qwen3_5"
+    assert ours.config.model_type == model_type
     ids, _, seq = _batch(lengths=[9, 5])
     with torch.no_grad():
         want = torch.cat([ref(input_ids=s[None]).logits[0] for s in ids.split([9, 5])])

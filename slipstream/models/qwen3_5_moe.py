@@ -86,11 +86,8 @@ class Qwen35MoeWeights(Qwen3MoeWeights):
     def our_name(self, name: str) -> str | None:
         return None if self.is_passthrough(name) else super().our_name(name)
 
-    def split_parts(self, param_name: str) -> list[str]:
-        prefix, _, target = param_name.rpartition(".")
-        projs = ("down_proj",) if target == "down_proj" else ("gate_proj", "up_proj")
-        E = num_experts_from_hf(text_hf(self.cfg))
-        return [f"{prefix}.{e}.{p}.weight" for e in range(E) for p in projs]
+    def num_experts(self) -> int:
+        return num_experts_from_hf(text_hf(self.cfg))
 
 
 weights = Qwen35MoeWeights

@@ -158,10 +158,13 @@ class Qwen3MoeWeights(WeightMap):
         dest.copy_(tensor)
         return True
 
+    def num_experts(self) -> int:
+        return num_experts_from_hf(self.cfg.hf)
+
     def split_parts(self, param_name: str) -> list[str]:
         prefix, _, target = param_name.rpartition(".")
         projs = ("down_proj",) if target == "down_proj" else ("gate_proj", "up_proj")
-        E = num_experts_from_hf(self.cfg.hf)
+        E = self.num_experts()
         return [f"{prefix}.{e}.{p}.weight" for e in range(E) for p in projs]
 
     def hf_state(self, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
