@@ -80,22 +80,24 @@ def test_two_ranks_match_one_process(tiny, tmp_path):  # noqa: F811
     penalty and normalised advantages: each prompt batch samples with the seed of its place
     in the global window, each group's leave-one-out baselines stay within a rank, the
     advantages are normalised over every rank's completions and the normaliser (completions)
-    is summed over ranks; the held-out reward and the sample replies match too."""
+    is summed over ranks. (GRPO's slow 2-rank tests cover the shared held-out eval.)"""
     from helpers.torchrun import check, train_job
-    from test_grpo_train import assert_same_grpo_run, two_rank_config
 
     def config(out):
-        raw = two_rank_config(tiny, out)
-        raw["train"]["objective"] = "rloo"
-        g = raw.pop("grpo")
-        raw["rloo"] = {k: g[k] for k in ("num_generations", "max_prompt_tokens",
-                                         "max_completion_tokens", "rewards")}  # fmt: skip
-        raw["rloo"].update(beta=0.05, normalize_advantages=True)
+        raw = rloo_config(tiny, out, beta=0.05, normalize_advantages=True)
+        raw["lora"]["dropout"] = 0.0  # each rank would draw its own dropout masks
+        raw["train"]["save_every"] = 0
         return raw
 
     train(config_from_dict(config(tmp_path / "single")))
     raw = config(tmp_path / "ddp")
     raw["train"].update(grad_accum=1, parallel="ddp", dist_timeout_s=60)
     check(train_job(raw, tmp_path, timeout=240))
-    assert_same_grpo_run(tmp_path / "ddp", tmp_path / "single", ("loss", "kl", "reward"))
+    want = {r["step"]: r for r in lines(tmp_path / "single") if "loss" in r}
+    got = {r["step"]: r for r in lines(tmp_path / "ddp") if "loss" in r}
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for step, w in want.items():
+        for key in ("loss", "kl", "reward", "completions/mean_length"):
+            assert got[step][key] == pytest.approx(w[key], abs=1e-5), (step, key)
+        assert got[step]["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), step
     assert_same_adapter(tmp_path / "ddp", tmp_path / "single", atol=2e-5, rtol=1e-4)
