@@ -166,3 +166,51 @@ def test_models_the_split_cannot_serve_are_one_line_errors():
     with pytest.raises(ValueError) as e:
         check_model(_native(), 4)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_run_resumes_with_the_same_losses(sp_data, tmp_path):
+    """A 2-rank sequence-parallel run's step-2 checkpoint, resumed under torchrun, logs the
+    uninterrupted run's steps 3-4 and saves its adapter."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    raw = sp_config(sp_data, whole, sequence_parallel=2, save_every=2)
+    check(train_job(raw, tmp_path))
+    ckpt = whole / "checkpoints" / "step-000002"
+    raw = {**sp_config(sp_data, resumed, sequence_parallel=2, save_every=2), "resume": str(ckpt)}
+    check(train_job(raw, tmp_path))
+    la, lb = losses(whole), losses(resumed)
+    assert sorted(lb) == [3, 4]
+    for step in lb:
+        assert abs(la[step] - lb[step]) < 1e-6, (step, la[step], lb[step])
+    ta, tb = (load_file(p / "adapter_model.safetensors") for p in (whole, resumed))
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_four_ranks_as_two_data_by_two_sequence_match_one_process(sp_data, tmp_path):
+    """4 gloo ranks, DDP over 2 data-parallel groups of 2 sequence-parallel ranks (grad_accum
+    2 each) = one process with grad_accum 4: the same losses, grad norms and adapter."""
+    import time
+
+    import yaml
+
+    single, mesh = tmp_path / "single", tmp_path / "mesh"
+    train(config_from_dict(sp_config(sp_data, single, grad_accum=4)))
+    config = tmp_path / f"run-{time.monotonic_ns()}.yaml"
+    config.write_text(yaml.safe_dump(sp_config(sp_data, mesh, sequence_parallel=2)))
+    job = run_torchrun(["-m", "slipstream", "train", str(config)], tmp_path, timeout=400, nproc=4)
+    check(job)
+    assert "4 processes, parallel=ddp, sequence_parallel=2" in job.stderr
+    la, lb = losses(single), losses(mesh)
+    assert sorted(lb) == [1, 2, 3, 4]
+    for step in la:
+        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
+    norms = [
+        [json.loads(x).get("grad_norm") for x in (p / "metrics.jsonl").read_text().splitlines()]
+        for p in (single, mesh)
+    ]
+    assert [n for n in norms[1] if n] == pytest.approx([n for n in norms[0] if n], rel=1e-4)
+    ta, tb = (load_file(p / "adapter_model.safetensors") for p in (single, mesh))
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], atol=2e-5, rtol=1e-4)
