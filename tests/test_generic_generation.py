@@ -45,21 +45,25 @@ def test_stateful_layers_generate_as_transformers_with_peft(tmp_path, model_type
     ours, theirs = _with_adapter(tmp_path, model_type)
     greedy = engine.Sampling(0.0, 1.0, 0)
     with caplog.at_level(logging.INFO, logger="slipstream"):
-        rows = engine.run(ours, PROMPTS, max_new_tokens=7, sampling=greedy)
+        rows = engine.run(ours, PROMPTS, max_new_tokens=7, sampling=greedy, stop_ids=[2])
     said = [r.message for r in caplog.records if r.message.startswith("generation:")]
     assert len(said) == 1 and "on transformers' generate" in said[0], said
     assert "softmax attention" in said[0] and ours.per_sequence[0] in said[0]
     for row, p in zip(rows, PROMPTS, strict=True):
-        want = theirs.generate(input_ids=torch.tensor([p]), max_new_tokens=7, do_sample=False)
+        want = theirs.generate(input_ids=torch.tensor([p]), max_new_tokens=7, do_sample=False,
+                               eos_token_id=2, pad_token_id=0)  # fmt: skip
         assert row.token_ids == want[0, len(p) :].tolist()
         # greedy log-probs: the model's softmax at each chosen token
         logits = theirs(input_ids=want[:, :-1]).logits[0, len(p) - 1 :]
         lp = logits.log_softmax(-1).gather(1, want[0, len(p) :, None])[:, 0]
         torch.testing.assert_close(torch.tensor(row.logprobs), lp, atol=1e-4, rtol=1e-4)
     assert ours.training  # the mode is restored
-    stop = rows[0].token_ids[2]
-    cut = engine.run(ours, PROMPTS[:1], max_new_tokens=7, sampling=greedy, stop_ids=[stop])
-    assert cut[0].token_ids == rows[0].token_ids[:3] and cut[0].finish_reason == "stop"
+    i, longest = max(enumerate(rows), key=lambda r: len(r[1].token_ids))
+    assert len(longest.token_ids) >= 3
+    stop = longest.token_ids[2]
+    cut = engine.run(ours, PROMPTS[i : i + 1], max_new_tokens=7, sampling=greedy, stop_ids=[stop])
+    assert cut[0].token_ids[-1] == stop and cut[0].finish_reason == "stop"
+    assert cut[0].token_ids == longest.token_ids[: len(cut[0].token_ids)]
     hot = engine.Sampling(1.0, 0.9, 20)
     runs = [
         engine.run(ours, PROMPTS, samples_per_prompt=3, max_new_tokens=5, sampling=hot,
