@@ -175,7 +175,7 @@ def test_a_dpo_step_equals_transformers_and_peft(tmp_path, model_type):
 
     def logp(model, ids, start):
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         lp = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         return lp[start - 1 :].sum()
 
