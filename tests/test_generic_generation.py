@@ -8,11 +8,10 @@ import logging
 
 import pytest
 import torch
+from helpers.tiny_hf import random_lora
 from test_generic import _pair, quiet  # noqa: F401 (quiet: a fixture, used by all)
 
-from slipstream.checkpoint.adapter import save_adapter
 from slipstream.generation import engine
-from slipstream.peft.lora import apply_lora
 
 PROMPTS = [[5, 9, 11, 4], [7, 3, 8, 20, 21, 22]]
 pytestmark = pytest.mark.usefixtures("quiet")
@@ -28,13 +27,7 @@ def _with_adapter(tmp_path, model_type):
     from peft import PeftModel
 
     ref, ours = _pair(tmp_path, model_type)
-    apply_lora(ours, rank=4, alpha=8)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    save_adapter(ours, tmp_path / "adapter")
+    random_lora(ours, tmp_path / "adapter")
     return ours, PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from helpers.runs import chat_rows
-from helpers.tiny_hf import tiny_config
+from helpers.tiny_hf import random_lora, tiny_config
 from helpers.tokenizers import save_test_tokenizer
 from test_generic import WINDOWED, quiet  # noqa: F401 (quiet: a fixture)
 
@@ -118,17 +118,8 @@ def test_all_linear_adapters_round_trip_through_peft(tmp_path, model_type):
     from peft import PeftModel
     from test_generic import _pair
 
-    from slipstream.checkpoint.adapter import save_adapter
-    from slipstream.peft.lora import apply_lora
-
     ref, ours = _pair(tmp_path, model_type)
-    apply_lora(ours, rank=4, alpha=8, targets="all-linear")
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    save_adapter(ours, tmp_path / "adapter")
+    random_lora(ours, tmp_path / "adapter", targets="all-linear")
     theirs = PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
     ids = torch.tensor(IDS) % 96
     with torch.no_grad():
@@ -148,20 +139,12 @@ def test_a_dpo_step_equals_transformers_and_peft(tmp_path, model_type):
     from peft import PeftModel
     from test_generic import _pair
 
-    from slipstream.checkpoint.adapter import save_adapter
     from slipstream.objectives.pairs import PairExample
     from slipstream.objectives.preference import pair_objective
     from slipstream.objectives.reference import ReferencePolicy
-    from slipstream.peft.lora import apply_lora
 
     ref, ours = _pair(tmp_path, model_type)
-    apply_lora(ours, rank=4, alpha=8)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    save_adapter(ours, tmp_path / "adapter")
+    random_lora(ours, tmp_path / "adapter")
     g = torch.Generator().manual_seed(5)
     pairs = []
     for prompt_len, a, b in ((4, 5, 3), (6, 2, 7)):

@@ -150,3 +150,20 @@ def quiet():
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+
+
+def random_lora(model, folder, targets=None, std: float = 0.3, seed: int = 3) -> None:
+    """LoRA r4 alpha 8 on `model` (slipstream's `apply_lora`) with random B factors (B = 0
+    would hide a wrong adapter: it changes nothing), saved as a PEFT adapter in `folder`."""
+    import torch
+
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.peft.lora import apply_lora
+
+    apply_lora(model, rank=4, alpha=8, targets=targets)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    save_adapter(model, folder)
