@@ -1,7 +1,8 @@
 """RLOO against TRL 1.16's `RLOOTrainer`: its rollout math (`_generate_and_score_completions`
 on fixed completions and rewards: the leave-one-out advantages, with unscorable completions,
 a group with one scorable completion, normalisation, the KL penalty in the reward) and its
-loss (`_compute_loss`: value and every parameter's gradient) on the same batch."""
+loss (`_compute_loss`: value and every parameter's gradient) on the same batch; no host sync
+in the loss and its backward."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from helpers.models import make_hf_model
 from helpers.tokenizers import save_test_tokenizer
 from test_grpo import FixedRewards
 
+from slipstream.debug import count_syncs
 from slipstream.objectives.rloo_loss import leave_one_out, normalise
 
 trl = pytest.importorskip("trl")
@@ -158,3 +160,8 @@ def test_loss_and_gradients_equal_trl(tmp_path, case, implementation):
         assert (metrics[key] / S).item() == pytest.approx(m[key][-1], abs=1e-6), key
     if off:
         assert 0 < m["clip_ratio/region_mean"][-1] < 1  # the off-policy case clips some
+    model.zero_grad(set_to_none=True)
+    with count_syncs() as c:  # the step itself: no host sync
+        loss, _ = objective.micro_batch_loss(model, batch)
+        loss.backward()
+    assert c.total == 0, c
