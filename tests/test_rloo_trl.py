@@ -1,13 +1,16 @@
 """RLOO against TRL 1.16's `RLOOTrainer`: its rollout math (`_generate_and_score_completions`
 on fixed completions and rewards: the leave-one-out advantages, with unscorable completions,
-a group with one scorable completion, normalisation, the KL penalty in the reward) and its
-loss (`_compute_loss`: value and every parameter's gradient) on the same batch; no host sync
-in the loss and its backward."""
+a group with one scorable completion, normalisation) and its loss (`_compute_loss`: value,
+clip metrics and every parameter's gradient, full fine-tuning) on the same batch, with no
+host sync in the loss and its backward; and LoRA with a KL penalty against both of TRL's
+PEFT references (adapters off, the starting adapter): our rollout's advantages, `kl` and
+reward metrics, then the loss and every LoRA gradient."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from test_grpo import FixedRewards
 
 from slipstream.debug import count_syncs
 from slipstream.objectives.rloo_loss import leave_one_out, normalise
+from slipstream.rewards.functions import RewardFunctions
 
 trl = pytest.importorskip("trl")
 
@@ -25,13 +29,16 @@ TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_
             initializer_range=0.2)  # fmt: skip
 
 
-def make_trainer(root, **args):
+def make_trainer(root, model=None, peft_config=None, **args):
+    """TRL's RLOOTrainer on `model` (default: a tiny random Llama saved in `root`)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     save_test_tokenizer(root, "chatml", vocab_size=300)
-    hf = make_hf_model("llama", **TINY)
-    hf.save_pretrained(root)
+    hf = model
+    if hf is None:
+        hf = make_hf_model("llama", **TINY)
+        hf.save_pretrained(root)
     config = trl.RLOOConfig(
         output_dir=str(root / "out"), per_device_train_batch_size=8, num_generations=G,
         max_completion_length=MAX_LEN, temperature=TEMP, report_to=[], use_cpu=True,
@@ -42,7 +49,7 @@ def make_trainer(root, **args):
         trainer = trl.RLOOTrainer(
             model=hf, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
             args=config, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 8),
-            processing_class=AutoTokenizer.from_pretrained(root),
+            processing_class=AutoTokenizer.from_pretrained(root), peft_config=peft_config,
         )  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -165,3 +172,111 @@ def test_loss_and_gradients_equal_trl(tmp_path, case, implementation):
         loss, _ = objective.micro_batch_loss(model, batch)
         loss.backward()
     assert c.total == 0, c
+
+
+class WeightedRewards:
+    """REWARDS as two reward functions of weights WEIGHTS (RewardFunctions' total)."""
+
+    names, weights = ["a", "b"], WEIGHTS.tolist()
+    total = RewardFunctions.total
+
+
+def our_rollout(model, objective, prompts, completions):
+    """RLOO.generate_batches with the sampling and the reward functions fixed (prompt-major
+    as TRL's: G completions of each prompt in turn)."""
+    examples = [SimpleNamespace(prompt_ids=p) for p in prompts[::G]]
+    rows = [SimpleNamespace(token_ids=c, finish_reason="stop") for c in completions]
+    objective.sample = lambda *a, **k: (examples, rows, 0.0)
+    objective.score = lambda *a, **k: REWARDS.clone()
+    batches = [SimpleNamespace(examples=examples)]
+    return objective.generate_batches(model, None, batches, "cpu", seeds=[0])
+
+
+@pytest.mark.parametrize("reference", ["base", "start"])
+def test_lora_with_a_kl_penalty_equals_trl(tmp_path, reference):
+    """LoRA with beta 0.05 and normalised advantages, against TRL's two references for a PEFT
+    model: a fresh adapter (`base`: TRL disables the adapters) and a starting adapter loaded
+    from a folder (`start`: TRL keeps a frozen copy named "ref"). The adapter is then moved
+    (the same random step on both sides) so that policy != reference. Our rollout (the
+    policy's and the reference's log-probs, sum_t (old - ref) taken off the reward,
+    leave-one-out, normalised) gives TRL's advantages and its `kl` and reward metrics; TRL's
+    `_compute_loss` on its rollout and ours on our batches give the same loss and every LoRA
+    gradient."""
+    import peft
+    from helpers.tiny_hf import random_lora
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.objectives.reference import build_reference
+    from slipstream.objectives.rloo import RLOO
+    from slipstream.peft.lora import apply_lora
+
+    save_test_tokenizer(tmp_path, "chatml", vocab_size=300)
+    make_hf_model("llama", **TINY).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    options = dict(beta=0.05, normalize_advantages=True, epsilon=0.2, epsilon_high=0.28)
+    if reference == "start":
+        random_lora(load_model(tmp_path, dtype=torch.float32), tmp_path / "lora", "all-linear",
+                    std=0.1)  # fmt: skip
+        hf = peft.PeftModel.from_pretrained(hf, tmp_path / "lora", is_trainable=True)
+        trainer = make_trainer(tmp_path, model=hf, **options)
+        assert set(trainer.model.peft_config) == {"default", "ref"}
+        model = load_adapter(load_model(tmp_path, dtype=torch.float32), tmp_path / "lora")
+    else:
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        trainer = make_trainer(tmp_path, model=hf, peft_config=lora, **options)
+        assert set(trainer.model.peft_config) == {"default"}
+        model = apply_lora(load_model(tmp_path, dtype=torch.float32), rank=4, alpha=8,
+                           targets="all-linear")  # fmt: skip
+    objective = RLOO(rewards=WeightedRewards(), num_generations=G, max_completion_tokens=MAX_LEN,
+                     temperature=TEMP, **options)  # fmt: skip
+    objective.reference = build_reference(model, full=False, reference=reference,
+                                          from_adapter=reference == "start")  # fmt: skip
+    assert objective.reference.kind == reference
+    ours = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # the same step on both sides, away from the reference
+        for n, p in trainer.model.named_parameters():
+            if ".default." in n:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+                ours[trl_name(n)].copy_(p)
+    assert trainer.ref_model is None  # TRL's reference: adapters off, or the "ref" adapter
+    prompts, completions = fixed_completions()
+    out = trl_rollout(trainer, prompts, completions)
+    m = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    model.train()
+    batches, rollout = our_rollout(model, objective, prompts, completions)
+    S = len(completions)
+    adv_S = torch.zeros(S)
+    for b in batches:
+        adv_S[b.sample] = b.advantages
+    torch.testing.assert_close(adv_S, out["advantages"], atol=1e-5, rtol=1e-5)
+    stats = rollout["stats"]
+    assert abs(m["kl"]) > 1e-3  # the step moved the policy off the reference: a real penalty
+    m["rewards/a/mean"] = m["rewards/<lambda>/mean"]  # TRL names its one function so
+    for key in ("kl", "reward", "reward_std", "frac_reward_zero_std", "rewards/a/mean"):
+        assert stats[key] == pytest.approx(m[key], abs=1e-6, rel=1e-5), key
+    plain = leave_one_out(torch.tensor([(r * WEIGHTS).nansum() for r in REWARDS]), G)
+    assert not torch.allclose(torch.nan_to_num(normalise(plain)), adv_S, atol=1e-3)
+
+    trainer.model.zero_grad(set_to_none=True)
+    want = trainer._compute_loss(trainer.model, out)
+    want.backward()
+    model.zero_grad(set_to_none=True)
+    loss = sum(objective.micro_batch_loss(model, b)[0] for b in batches) / S
+    loss.backward()
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    expected = {trl_name(n): p.grad for n, p in trainer.model.named_parameters()
+                if p.grad is not None}  # fmt: skip
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert expected.keys() == got.keys() and len(got) == 2 * 7 * 2, sorted(got)[:4]
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+def trl_name(name: str) -> str:
+    """peft's parameter name as ours: no `base_model.model.` prefix, no adapter name."""
+    return name.removeprefix("base_model.model.").replace(".default", "")
