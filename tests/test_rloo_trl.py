@@ -4,7 +4,8 @@ a group with one scorable completion, normalisation) and its loss (`_compute_los
 clip metrics and every parameter's gradient, full fine-tuning) on the same batch, with no
 host sync in the loss and its backward; and LoRA with a KL penalty against both of TRL's
 PEFT references (adapters off, the starting adapter): our rollout's advantages, `kl` and
-reward metrics, then the loss and every LoRA gradient."""
+reward metrics, then the loss and every LoRA gradient. Grad-accum and one sequence a
+micro-batch equal one packed batch."""
 
 from __future__ import annotations
 
@@ -280,3 +281,50 @@ def test_lora_with_a_kl_penalty_equals_trl(tmp_path, reference):
 def trl_name(name: str) -> str:
     """peft's parameter name as ours: no `base_model.model.` prefix, no adapter name."""
     return name.removeprefix("base_model.model.").replace(".default", "")
+
+
+def test_grad_accum_and_packing_equal_one_batch(tmp_path, monkeypatch):
+    """A rollout's completions in one packed micro-batch, in two (grad-accum) and one per
+    micro-batch (each sequence alone): the same loss, clip counts and every gradient. Old
+    log-probs off the policy (some ratios clipped), normalised weight = the completions."""
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.objectives.grpo_data import Sample
+    from slipstream.objectives.logps import token_logps
+    from slipstream.objectives.rloo import RLOO, collate_samples
+    from slipstream.ops import attention
+    from slipstream.train.loop import accumulate_gradients
+
+    # One CPU attention path for every split (the dense mask and per-sequence calls sum in
+    # another order).
+    monkeypatch.setattr(attention, "per_sequence_wins", lambda lengths: True)
+    make_hf_model("llama", **TINY).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    prompts, completions = fixed_completions(seed=9)
+    S = len(completions)
+    adv_S = torch.randn(S, generator=torch.Generator().manual_seed(4))
+    samples = [Sample(p, c, 0.0, False) for p, c in zip(prompts, completions, strict=True)]
+    objective = RLOO(rewards=FixedRewards(), num_generations=G, max_completion_tokens=MAX_LEN,
+                     temperature=TEMP, epsilon=0.2, epsilon_high=0.28, beta=0.0)  # fmt: skip
+
+    def micro_batch(indices):
+        b = collate_samples(samples, indices)
+        b.packed.fields["advantages"] = adv_S[b.sample]
+        with torch.no_grad():  # old = policy -/+ 0.06 a token by the completion's parity
+            logps = token_logps(model, b.input_ids, b.labels, b.seq, b.positions, TEMP)
+        b.old_logps = logps + 0.06 * (2 * (b.sample[b.segments] % 2) - 1)
+        return b
+
+    splits = ([list(range(S))], [[0, 5, 2], [1, 3, 4, 6, 7]], [[i] for i in range(S)])
+    out = []
+    for split in splits:
+        window = [micro_batch(ix) for ix in split]
+        model.zero_grad(set_to_none=True)
+        loss, metrics = accumulate_gradients(model, window, objective)
+        out.append((loss, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert 0 < out[0][1]["clip_ratio/region_mean"] < S  # some clipped, not all
+    for loss, metrics, grads in out[1:]:
+        torch.testing.assert_close(loss, out[0][0], atol=1e-5, rtol=1e-5)
+        for key, value in metrics.items():
+            torch.testing.assert_close(value, out[0][1][key])
+        for name, g in grads.items():
+            torch.testing.assert_close(g, out[0][2][name], atol=1e-6, rtol=1e-4, msg=name)
