@@ -317,6 +317,7 @@ def test_a_run_resumes_exactly_and_logs_its_metrics(tiny_run, teacher_dir, tmp_p
     import os
     import signal
 
+    from helpers.runs import assert_adapter_loads_in_peft
     from safetensors.torch import load_file
 
     from slipstream.config import config_from_dict
@@ -354,6 +355,7 @@ def test_a_run_resumes_exactly_and_logs_its_metrics(tiny_run, teacher_dir, tmp_p
     b = load_file(tmp_path / "cut" / "adapter_model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    assert_adapter_loads_in_peft(tiny_run[0], tmp_path / "straight")  # peft's logits = ours
 
 
 def test_config_errors(tiny_run, teacher_dir, tmp_path):

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers.runs import make_tiny_run, run_config
+from helpers.runs import assert_adapter_loads_in_peft, make_tiny_run, run_config
 from test_preference_train import pair_rows
 
 from slipstream import cli
@@ -128,9 +128,6 @@ def test_full_reward_run_saves_a_sequence_classifier(tiny, tmp_path):
 
 
 def test_kto_run_from_an_adapter(tiny, tmp_path):
-    import peft
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path / "kto"
     summary = train(config_from_dict(config(tiny, "kto", out, data="unpaired")))
     assert summary["status"] == "completed"
@@ -146,8 +143,7 @@ def test_kto_run_from_an_adapter(tiny, tmp_path):
     assert evals[0]["eval_kl"] == pytest.approx(0.0, abs=1e-6)
     assert 0 < evals[0]["eval_count/desirable"] < 1
     assert evals[-1]["eval_rewards/margins"] > 0  # desirable completions rise over the others
-    hf = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32)
-    peft.PeftModel.from_pretrained(hf, out)  # loads
+    assert_adapter_loads_in_peft(tiny["model"], out)  # peft's logits = ours
 
 
 def _objective(tiny, name, **section):

@@ -100,3 +100,31 @@ def train_until_signal(cfg, at_step, signum=signal.SIGTERM, run=None):
         return run() if run is not None else train(cfg)
     finally:
         hf.load_model = real_load
+
+
+def assert_adapter_loads_in_peft(base: Path, adapter: Path, ids: list[int] | None = None) -> None:
+    """A run's saved adapter loads in peft on transformers' model of `base` with the logits
+    of our model with that adapter (and they differ from the base's: it is not a no-op)."""
+    import warnings
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.ops.packing import SeqInfo
+
+    ids_T = torch.tensor(ids or [1, 17, 42, 5, 99, 230, 7, 64, 3, 150])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        with torch.no_grad():
+            plain = hf(input_ids=ids_T[None]).logits[0]
+        theirs = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    ours = load_adapter(load_model(base, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        want = theirs(input_ids=ids_T[None]).logits[0]
+        got = ours(ids_T, SeqInfo.from_lengths([len(ids_T)]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (want - plain).abs().max() > 1e-4, "the adapter changes nothing"
