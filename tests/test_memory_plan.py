@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.models import make_hf_model, ours_from_hf
 from helpers.moe_models import make_hf_moe_model
+from helpers.tiny_hf import quiet, save_tiny  # noqa: F401
 
 from slipstream.memory.measure import measure_step
 from slipstream.memory.offload import apply_checkpointing
@@ -59,8 +60,10 @@ def _inputs(hf_model, tokens: int, method: str = "lora") -> PlanInputs:
     )  # fmt: skip
 
 
-def _measured(hf_model, tokens: int, mode: str, tiles: int, method: str = "lora") -> int:
-    model = ours_from_hf(hf_model)
+def _measured(
+    hf_model, tokens: int, mode: str, tiles: int, method: str = "lora", model=None
+) -> int:
+    model = ours_from_hf(hf_model) if model is None else model
     if method == "lora":
         apply_lora(model, rank=8, alpha=16, targets="all-linear")
     else:
@@ -155,3 +158,18 @@ def test_full_fine_tune_peaks_in_the_optimizer_step():
     measured = _measured(hf_model, 128, "recompute", 1, "full")
     assert "optimizer step temporaries (foreach AdamW)" in plan.components
     assert abs(_tensor_bytes(plan) - measured) <= 0.02 * measured
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "mixtral"])
+@pytest.mark.parametrize("technique", list(TECHNIQUES))
+def test_generic_estimate_within_10_percent_of_measured(tmp_path, quiet, model_type, technique):  # noqa: F811
+    """The generic family (transformers' layers, no native code): the same 10%."""
+    from slipstream.checkpoint.hf import load_model
+
+    save_tiny(tmp_path, model_type, hidden_size=96, intermediate_size=256, vocab_size=1000,
+              num_hidden_layers=3)  # fmt: skip
+    model = load_model(tmp_path, implementation="transformers")
+    mode, tiles, tokens = *TECHNIQUES[technique], 512
+    plan = estimate(_inputs(model.hf, tokens), tokens, mode, tiles)
+    measured = _measured(None, tokens, mode, tiles, model=model)
+    assert abs(_tensor_bytes(plan) - measured) <= 0.10 * measured, (plan.components, measured)

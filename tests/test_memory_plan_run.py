@@ -87,3 +87,31 @@ def test_plan_command_prints_components(tiny_run, tmp_path, capsys):
         assert part in text
     assert "longest single sequence" in text
     assert main(["plan", str(tmp_path / "c.yaml"), "--gpu-memory", "lots"]) == 2
+
+
+@pytest.fixture(scope="module")
+def generic_run(tmp_path_factory, tiny_run):
+    """tiny_run's data with an OLMo 2 model (no native family: the generic path)."""
+    from helpers.tiny_hf import save_tiny
+    from helpers.tokenizers import save_test_tokenizer
+
+    model_dir = tmp_path_factory.mktemp("plan_generic") / "model"
+    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
+    save_tiny(model_dir, "olmo2", vocab_size=300, hidden_size=32, intermediate_size=64)
+    return model_dir, tiny_run[1]
+
+
+def test_plan_and_auto_tiling_on_a_generic_model(generic_run, tmp_path, monkeypatch, capsys):
+    """`slipstream plan` and `train.mlp_tiles: auto` on transformers' layers: the plan prints,
+    and a budget only the tiled step fits makes the run tile transformers' MLPs."""
+    from slipstream.train.run import prepare_run
+
+    raw = _cfg(generic_run, tmp_path / "run", activation_checkpointing="recompute")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(tmp_path / "c.yaml"), "--device", "cpu", "--memory", "1GB"]) == 0
+    assert "longest single sequence" in capsys.readouterr().out
+    untiled, tiled = _peak(raw, "recompute", 1), _peak(raw, "recompute", 2)
+    assert tiled < untiled
+    monkeypatch.setattr(planner, "device_budget", lambda device: (tiled + untiled) // 2)
+    run = prepare_run(RunConfig.model_validate(raw))
+    assert run.model.config.implementation == "transformers" and mlp_tiles(run.model) == 2

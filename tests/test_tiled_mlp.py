@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.models import make_hf_model, ours_from_hf, randomise_lora_b, shifted_labels
 from helpers.moe_models import make_hf_moe_model
+from helpers.tiny_hf import quiet, save_tiny  # noqa: F401
 
 from slipstream.memory.offload import apply_checkpointing
 from slipstream.memory.tiled_mlp import apply_mlp_tiling, mlp_tiles, tile_module, tiled_call
@@ -96,3 +97,75 @@ def test_mlp_intermediates_are_tiled():
     intermediates = 4 * T * F * 4  # gate, up, act(gate), act * up in float32
     assert untiled > intermediates
     assert untiled - tiled > 0.6 * intermediates
+
+
+# The generic path: transformers' layers, their feed-forward blocks over (1, T, D). Dense
+# (olmo2), MoE with the router loss on (mixtral), a MoE block returning per-token router
+# scores beside its output (gpt_oss forced generic) and a dense-then-MoE stack (deepseek_v3).
+GENERIC = ["olmo2", "mixtral", "gpt_oss", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("model_type", GENERIC)
+@pytest.mark.parametrize("mode", ["none", "recompute"])
+def test_generic_tiled_equals_untiled(tmp_path, quiet, model_type, mode):  # noqa: F811
+    from slipstream.checkpoint.hf import load_model
+
+    save_tiny(tmp_path / "ckpt", model_type, num_hidden_layers=2)
+    model = load_model(tmp_path / "ckpt", implementation="transformers")
+    if getattr(model, "router_loss", None) is not None:
+        set_router_aux_loss_coef(model, 0.01)
+        assert model.router_aux_loss_coef == 0.01
+    apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    randomise_lora_b(model)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 96, (sum(LENGTHS),))
+    labels, seq = shifted_labels(ids, LENGTHS), SeqInfo.from_lengths(LENGTHS)
+    if mode != "none":
+        apply_checkpointing(model, mode, force=True)
+    ref_loss, ref = _step(model, ids, labels, seq)
+    assert apply_mlp_tiling(model, 4) == len(model.decoder_layers()) and mlp_tiles(model) == 4
+    loss, grads = _step(model, ids, labels, seq)
+    _assert_close_rel(loss, ref_loss, "loss")
+    assert grads.keys() == ref.keys() and ref
+    for name in ref:
+        _assert_close_rel(grads[name], ref[name], name)
+    assert _block_calls(model, ids, seq) == [4] * len(model.decoder_layers())  # 4 tiles ran
+    apply_mlp_tiling(model, None)
+    assert mlp_tiles(model) == 1 and _block_calls(model, ids, seq) == [1] * len(
+        model.decoder_layers()
+    )
+
+
+def _block_calls(model, ids, seq) -> list[int]:
+    """How often each layer's feed-forward block's first submodule ran in one forward."""
+    from slipstream.memory.tiled_mlp import feed_forward_of
+
+    layers = model.decoder_layers()
+    calls = [0] * len(layers)
+
+    def counter(i):
+        return lambda *_: calls.__setitem__(i, calls[i] + 1)
+
+    hooks = [
+        next(feed_forward_of(layer).children()).register_forward_hook(counter(i))
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        model(ids, seq)
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+def test_tiled_extras_are_summed_or_concatenated():
+    x = torch.randn(1, 10, 3)
+
+    def block(t):  # an output and a per-token extra (tokens, E): transformers' router logits
+        return t * 2, t[0] @ torch.ones(3, 4)
+
+    y, per_token = tiled_call(block, x, 3, token_dim=1, extras="cat")
+    torch.testing.assert_close(y, x * 2)
+    assert per_token.shape == (10, 4)
+    torch.testing.assert_close(per_token, x[0] @ torch.ones(3, 4))
+    _, total = tiled_call(lambda t: (t, t.sum()), x, 3, token_dim=1)  # ours: sums over tokens
+    torch.testing.assert_close(total, x.sum())

@@ -88,6 +88,7 @@ class PlanInputs:
     prepack: bool
     world: int
     sequence_parallel: int = 1  # ranks a micro-batch's tokens are split over
+    implementation: str = "auto"  # model.implementation: auto | native | transformers
 
     @classmethod
     def from_config(cls, cfg, device: str, hf: dict[str, Any]) -> PlanInputs:
@@ -104,6 +105,7 @@ class PlanInputs:
             mode=t.activation_checkpointing, tiles=t.mlp_tiles,
             prepack=t.prepack and not t.compile and t.parallel != "fsdp",
             world=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=t.sequence_parallel,
+            implementation=cfg.model.implementation,
         )  # fmt: skip
 
 
@@ -131,7 +133,7 @@ def _setup(inp: PlanInputs, mode: str, tiles: int):
         checkpointing="none" if mode == "none" else "recompute",
         tiles=tiles if tiles > 1 else None,
         half_attention_in_float32=inp.device == "cpu" and _cpu_upcasts(inp.dtype),
-        device=inp.device,
+        device=inp.device, implementation=inp.implementation,
     )  # fmt: skip
 
 
@@ -364,27 +366,33 @@ def parse_size(text: str) -> int:
 
 def plan_for_run(cfg, device: str, budget: int | None = None, *, say=print) -> Plan | None:
     """The plan `train` runs first: None when it cannot be made from config.json alone (a
-    GGUF, a hub id not cached, a model only the generic path builds); a ValueError naming
-    the setting to change when the run will not fit."""
+    GGUF, a hub id not cached, remote modeling code) or transformers' layers cannot run its
+    meta-device step (the generic path: said, and the run goes on); a ValueError naming the
+    setting to change when the run will not fit."""
     t = cfg.train
     if t.memory == "off":
         return None
+    generic = False
     try:
         hf = read_hf_config(cfg.model.path)
         if hf is None:
             say("slipstream: memory plan skipped (no config.json to read before the weights)")
             return None
-        from slipstream.models import FAMILIES
+        from slipstream.models import choose_family
 
-        generic = getattr(cfg.model, "implementation", "auto") == "transformers"
-        if hf.get("model_type") not in FAMILIES or generic:
-            say(f"slipstream: memory plan skipped (model_type {hf.get('model_type')!r})")
+        family = choose_family(hf.get("model_type"), "config.json", cfg.model.implementation, hf)
+        generic = family[0] == "generic"
+        if generic and hf.get("auto_map"):  # its classes exist only once its code is loaded
+            say(f"slipstream: memory plan skipped ({hf.get('model_type')!r}: remote modeling code)")
             return None
         inp = PlanInputs.from_config(cfg, device, hf)
         budget = budget if budget is not None else device_budget(device)
         plan = choose(inp, budget, auto=t.memory == "auto")
-    except ValueError:
-        raise
+    except ValueError as e:
+        if not generic:
+            raise
+        say(f"slipstream: memory plan skipped (transformers' {hf.get('model_type')}: {e})")
+        return None
     except Exception as e:  # the plan advises; a probe our code cannot run must not stop a run
         say(f"slipstream: memory plan skipped ({type(e).__name__}: {e})")
         return None

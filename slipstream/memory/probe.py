@@ -43,6 +43,7 @@ class ProbeSetup:
     tiles: int | None = None
     half_attention_in_float32: bool = False  # CPU without AMX: bf16 SDPA upcast (attention.py)
     device: str = "cpu"  # the device planned for: which kernels the step would take
+    implementation: str = "auto"  # model.implementation: native family or transformers' code
 
 
 @dataclass
@@ -153,7 +154,7 @@ def meta_model(setup: ProbeSetup):
     from slipstream.memory.tiled_mlp import apply_mlp_tiling
     from slipstream.models import family_for
 
-    family = family_for(setup.hf.get("model_type"), "config.json")
+    family = family_for(setup.hf.get("model_type"), "config.json", setup.implementation)
     cfg = family.config_from_hf(dict(setup.hf))
     with torch.device("meta"):
         model = family.build(cfg).to(setup.dtype)

@@ -10,14 +10,19 @@ the backward of the MLP holds one tile's (T/N, F) intermediates. Weight gradient
 over tiles: equal to the untiled step's up to float32 summation order. Without grad
 (evaluation, the offloaded layer's graph-free forward) the tiles run one after the other.
 
-- `tiled_call(fn, x, tiles, token_dim=0)`: the functional form; `fn(x_tile)` returns a
-  tensor or (tensor, *extras); extras (a MoE block's router statistics, sums over tokens)
-  are summed over tiles.
-- `apply_mlp_tiling(model, tiles)`: every `model.decoder_layers()[i].mlp` (dense and MoE) tiled
+- `tiled_call(fn, x, tiles, token_dim=0, extras="sum")`: the functional form; `fn(x_tile)`
+  returns a tensor or (tensor, *extras). Extras are summed over tiles (our MoE block's router
+  statistics: sums over tokens) or, with extras="cat", concatenated along dim 0
+  (transformers' MoE blocks that also return per-token router logits, (tokens, E)).
+- `apply_mlp_tiling(model, tiles)`: every decoder layer's feed-forward (dense and MoE) tiled
   in place by swapping its class for a subclass, as checkpointing does: parameter names,
-  `state_dict()` and LoRA wrappers stay as they were; `tiles` None or < 2 undoes it.
-- `tile_module(module, tiles, token_dim)`: the same for one module, for the generic
-  (transformers) path, whose MLPs take (B, S, D) hidden states: token_dim=1 there.
+  `state_dict()` and LoRA wrappers stay as they were; `tiles` None or < 2 undoes it. On the
+  generic path (transformers' layers) the feed-forward is the layer's `mlp`, `feed_forward`
+  or `block_sparse_moe` (`feed_forward_of`), over (1, T, D) packed hidden states:
+  token_dim=1, per-token extras concatenated. A layer without one (a Mamba mixer layer) stays
+  as it is. Tiling assumes the block is per token: true of dense MLPs and of top-k routers;
+  a router with a capacity per batch would differ (none of the tested types has one).
+- `tile_module(module, tiles, token_dim, extras)`: the same for one module.
 
 Shapes: T tokens, D hidden, F MLP width, N tiles.
 """
@@ -31,25 +36,29 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def tiled_call(fn: Callable, x: torch.Tensor, tiles: int, token_dim: int = 0):
-    """`fn(x)` computed over `tiles` near-equal slices of `x` along `token_dim`."""
+def tiled_call(fn: Callable, x: torch.Tensor, tiles: int, token_dim: int = 0, extras: str = "sum"):
+    """`fn(x)` computed over `tiles` near-equal slices of `x` along `token_dim`; a tuple
+    output's extras summed (`extras="sum"`) or concatenated along dim 0 (`"cat"`)."""
     n = x.shape[token_dim]
     tiles = min(tiles, n)
     if tiles < 2:
         return fn(x)
     size = -(-n // tiles)  # ceil: N tiles, the last one shorter
     grad = torch.is_grad_enabled()
-    outs, extras = [], None
+    outs, more = [], []
     for x_tile in x.split(size, dim=token_dim):  # split: its backward is one cat
         out = checkpoint(fn, x_tile, use_reentrant=False) if grad else fn(x_tile)
         if isinstance(out, torch.Tensor):
             outs.append(out)
             continue
         outs.append(out[0])
-        more = list(out[1:])
-        extras = more if extras is None else [a + b for a, b in zip(extras, more, strict=True)]
+        more.append(list(out[1:]))
     y = torch.cat(outs, dim=token_dim)
-    return y if extras is None else (y, *extras)
+    if not more:
+        return y
+    if extras == "cat":
+        return (y, *(torch.cat(parts, dim=0) for parts in zip(*more, strict=True)))
+    return (y, *(sum(parts[1:], parts[0]) for parts in zip(*more, strict=True)))
 
 
 _CLASSES: dict[type, type] = {}
@@ -59,7 +68,7 @@ def _tiled_forward(self, x: torch.Tensor, *args, **kwargs):
     base = self._slipstream_tiled_base.forward
     return tiled_call(
         lambda x_tile: base(self, x_tile, *args, **kwargs), x, self._slipstream_tiles,
-        self._slipstream_token_dim,
+        self._slipstream_token_dim, self._slipstream_extras,
     )  # fmt: skip
 
 
@@ -70,18 +79,33 @@ def _tiled_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def tile_module(module: nn.Module, tiles: int | None, token_dim: int = 0) -> nn.Module:
+def tile_module(
+    module: nn.Module, tiles: int | None, token_dim: int = 0, extras: str = "sum"
+) -> nn.Module:
     """Run `module` (a per-token MLP) in `tiles` tiles along `token_dim`, in place; tiles
     None or < 2: back to untiled. Returns the module."""
     base = type(module).__dict__.get("_slipstream_tiled_base")
     if base is not None:
         module.__class__ = base
-        del module._slipstream_tiles, module._slipstream_token_dim
+        del module._slipstream_tiles, module._slipstream_token_dim, module._slipstream_extras
     if tiles is None or tiles < 2:
         return module
     module.__class__ = _tiled_class(type(module))
     module._slipstream_tiles, module._slipstream_token_dim = int(tiles), token_dim
+    module._slipstream_extras = extras
     return module
+
+
+FEED_FORWARD_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # transformers' names
+
+
+def feed_forward_of(layer: nn.Module) -> nn.Module | None:
+    """A transformers decoder layer's per-token feed-forward block (dense or MoE), or None
+    (a layer whose only mixer is a Mamba or other sequence block)."""
+    for name in FEED_FORWARD_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return getattr(layer, name)
+    return None
 
 
 def apply_mlp_tiling(model: nn.Module, tiles: int | None) -> int:
@@ -89,20 +113,21 @@ def apply_mlp_tiling(model: nn.Module, tiles: int | None) -> int:
     tiles of the packed tokens; None or < 2: untiled. Returns how many MLPs are tiled."""
     if not hasattr(model, "decoder_layers"):
         raise ValueError(f"{type(model).__name__} has no decoder_layers(); tiling needs a CausalLM")
-    layers = model.decoder_layers()
     generic = getattr(model.config, "implementation", "native") == "transformers"
-    if generic and tiles is not None and tiles >= 2:
-        raise ValueError(
-            f"MLP tiling of {model.config.model_type} (transformers' modeling code) is not "
-            "supported yet; leave the MLPs untiled."
-        )
-    if generic:
-        return 0
-    for layer in layers:
-        tile_module(layer.mlp, tiles)
-    return len(layers) if tiles is not None and tiles >= 2 else 0
+    count = 0
+    for layer in model.decoder_layers():
+        block = feed_forward_of(layer) if generic else layer.mlp
+        if block is None:
+            continue
+        tile_module(block, tiles, token_dim=1 if generic else 0, extras="cat" if generic else "sum")
+        count += 1
+    return count if tiles is not None and tiles >= 2 else 0
 
 
 def mlp_tiles(model: nn.Module) -> int:
-    """The tiles the first layer's MLP runs in (1: untiled)."""
-    return getattr(getattr(model.decoder_layers()[0], "mlp", None), "_slipstream_tiles", 1)
+    """The tiles the first tiled feed-forward runs in (1: untiled)."""
+    for layer in model.decoder_layers():
+        tiles = getattr(feed_forward_of(layer), "_slipstream_tiles", None)
+        if tiles is not None:
+            return tiles
+    return 1
