@@ -21,15 +21,23 @@ from slipstream.ops.packing import SeqInfo
 from slipstream.peft.lora import apply_lora
 
 LENGTHS = [7, 11, 3]  # 11 > the window of 4 the sliding-window types get
-WINDOWED = {"mistral", "gemma2", "cohere2", "starcoder2", "qwen2", "gemma3_text", "olmo3"}
+WINDOWED = {"mistral", "gemma2", "cohere2", "starcoder2", "qwen2", "gemma3_text", "olmo3",
+            "mixtral", "phi3", "gpt_oss"}  # fmt: skip
+# Llama 4's chunked attention layers see only their own chunk (transformers' mask alone does
+# it): chunks of 4, so the 11-token sequence spans three.
+CHUNKED = {"llama4_text": {"attention_chunk_size": 4}}
 # The default suite: one of each kind (dense, sliding window, softcap, MoE, gated delta net,
 # short conv, Mamba2); the rest are @slow.
-FAST = ["llama", "mistral", "gemma2", "mixtral", "qwen3_next", "lfm2", "granite", "gemma4_text"]
+FAST = ["llama", "mistral", "gemma2", "mixtral", "qwen3_next", "lfm2", "granite", "gemma4_text",
+        "llama4_text"]  # fmt: skip
 SLOW = [
     "qwen3", "olmo2", "olmo3", "smollm3", "granitemoe", "qwen2_moe", "cohere2", "glm4_moe",
-    "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "falcon_h1", "nemotron_h",
+    "qwen3_5_text", "qwen3_5_moe_text", "falcon_h1", "nemotron_h",
     "ernie4_5_moe", "minimax_m2", "starcoder2", "phi", "stablelm", "qwen2", "phi3",
     "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v3", "gemma4_text_moe",
+    # beyond issue 29's list, more token mixers run per sequence: Granite 4's Mamba layers,
+    # MiniMax's lightning attention (attention-free models: test_attention_free_models_...)
+    "granitemoehybrid", "minimax",
 ]  # fmt: skip
 TYPES = FAST + [pytest.param(t, marks=pytest.mark.slow) for t in SLOW]
 LAYERS = {"gemma4_text": 4, "gemma4_text_moe": 4}  # 2 of them reuse the first 2's K/V
@@ -40,7 +48,9 @@ def _reference(model_type: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     window = {"sliding_window": 4} if model_type in WINDOWED else {}
-    cfg = tiny_config(model_type, LAYERS.get(model_type, 2), **window)
+    cfg = tiny_config(
+        model_type, LAYERS.get(model_type, 2), **window, **CHUNKED.get(model_type, {})
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
 
 
@@ -146,6 +156,62 @@ def test_state_never_crosses_a_packed_boundary(tmp_path, quiet):
         mixer.__class__ = mixer._slipstream_per_sequence  # unwrapped: state leaks
         assert _rel(ours(ids, seq), expected) > 1e-3
     assert generic_hooks.SEQ_KWARG == "slipstream_seq"
+
+
+ATTENTION_FREE = ["mamba"] + [
+    pytest.param(t, marks=pytest.mark.slow) for t in ("falcon_mamba", "rwkv")
+]
+
+
+@pytest.mark.parametrize("model_type", ATTENTION_FREE)
+def test_attention_free_models_run_each_sequence_alone(tmp_path, quiet, model_type):
+    """Mamba's and RWKV's backbones drop the forward's kwargs: a pre-hook on each decoder
+    layer hands it the batch's SeqInfo, so its mixers still run per sequence, in the
+    recompute of a checkpointed layer too: logits, loss and every gradient of full
+    fine-tuning equal transformers' one sequence at a time. (Their linears all sit in the
+    mixers, which all-linear LoRA leaves out.)"""
+    ref, ours = _pair(tmp_path, model_type)
+    assert ours.per_sequence
+    apply_checkpointing(ours, "recompute")
+    ids, labels, seq = _batch()
+    with torch.no_grad():
+        assert _rel(ours(ids, seq), _per_sequence(ref.eval(), ids)) < 1e-5
+    ref.train()  # RWKV rescales weights in eval mode
+    keep = labels != -100
+    logits = _per_sequence(ref, ids)
+    want = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum")
+    want.backward()
+    loss = ours.loss(ids, labels, seq, reduction="sum")
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    theirs = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert _rel(p.grad, theirs[name].grad) < 1e-4, name
+
+
+def test_a_stateful_layer_that_cannot_run_per_sequence_is_refused(tmp_path, quiet, capsys):
+    """RecurrentGemma's recurrent block (its own position and segment arguments: not split
+    per sequence here) would carry state across packed boundaries: one line naming the layer
+    at load, exit 2 from the CLI."""
+    from helpers.tokenizers import save_test_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from slipstream import cli
+
+    folder = tmp_path / "m"
+    save_test_tokenizer(folder, "chatml", vocab_size=300)
+    cfg = tiny_config("recurrent_gemma", vocab_size=300)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"layers.0.temporal_block \(RecurrentGemmaRecurrent") as e:
+        load_model(folder)
+    assert "\n" not in str(e.value) and "packed sequences would share its state" in str(e.value)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    raw = {"model": {"path": str(folder)}, "data": {"train": str(tmp_path / "d.jsonl")},
+           "output_dir": str(tmp_path / "o"), "train": {"steps": 1}}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "RecurrentGemmaRecurrentBlock" in err[-1]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mixtral", "qwen3_next"])

@@ -52,6 +52,8 @@ def transformers_reason(model) -> str | None:
         return "multi-head latent attention: keys and values of another shape than head_dim"
     if getattr(text, "num_kv_shared_layers", None) or getattr(text, "global_head_dim", None):
         return "per-layer key/value shapes and K/V shared between layers"
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        return "chunked attention (attention_chunk_size): slipstream's KV-cache engine has none"
     return None
 
 

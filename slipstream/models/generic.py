@@ -42,7 +42,9 @@ from slipstream.models.common import (
 from slipstream.models.generic_hooks import (
     ATTENTION,
     SEQ_KWARG,
+    check_packable,
     implementations,
+    packed_batch,
     per_sequence_mixers,
     register,
     scope_layers,
@@ -222,6 +224,7 @@ class GenericCausalLM(nn.Module):
         self.__dict__["_backbone"], self.__dict__["_layers"] = decoder_of(hf_model)
         scope_layers(self._layers)
         self.per_sequence = per_sequence_mixers(self._layers)
+        check_packable(self._layers, self.per_sequence, cfg.model_type)
         self.logit_scale, self.softcap = head_transform(hf_model.config)
         self.router_loss = router_loss(hf_model)
         text = hf_model.config.get_text_config().to_dict()
@@ -284,10 +287,11 @@ class GenericCausalLM(nn.Module):
             else {"inputs_embeds": self.embed(input_ids_T, images)[None]}
         )
         positions = kwargs.pop("position_ids", None)  # Qwen-VL's 3-D ones: generic_vision.py
-        return self._backbone(
-            **inputs, position_ids=seq.position_ids[None] if positions is None else positions,
-            use_cache=False, **{SEQ_KWARG: seq}, **kwargs,
-        )  # fmt: skip
+        with packed_batch(seq):
+            return self._backbone(
+                **inputs, position_ids=seq.position_ids[None] if positions is None else positions,
+                use_cache=False, **{SEQ_KWARG: seq}, **kwargs,
+            )  # fmt: skip
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None) -> torch.Tensor:
         logits_TV = F.linear(self.hidden_states(input_ids_T, seq, images), self.lm_head_weight())
