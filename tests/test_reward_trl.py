@@ -126,7 +126,8 @@ def _trl_grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["conversational", "standard"])
 @pytest.mark.parametrize("options", [{}, {"margin": True, "center_rewards_coefficient": 0.05}])
-def test_reward_matches_trl(setup, kind, options):
+@pytest.mark.parametrize("implementation", ["native", "transformers"])  # the head on either
+def test_reward_matches_trl(setup, kind, options, implementation):
     options = dict(options)
     rows = (
         ROWS[kind]
@@ -144,7 +145,8 @@ def test_reward_matches_trl(setup, kind, options):
     loss.backward()
     theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    model = load_reward_model(setup / "adapter")
+    model = load_reward_model(setup / "adapter", implementation=implementation)
+    assert (type(model).__name__ == "GenericCausalLM") == (implementation == "transformers")
     model.requires_grad_(False)
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n or n == "score.weight")

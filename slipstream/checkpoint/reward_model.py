@@ -115,13 +115,15 @@ def load_reward_model(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    implementation: str = "auto",
 ) -> nn.Module:
     """A reward model folder (full or adapter, module docstring) as a slipstream model with
-        its `score` head and `score_pad_token_id` (absent for an adapter that does not record it:
-    the tokenizer's pad id then, as TRL trains); a one-line ValueError for anything else."""
+    its `score` head and `score_pad_token_id` (absent for an adapter that does not record it:
+    the tokenizer's pad id then, as TRL trains); a one-line ValueError for anything else.
+    `implementation`: an adapter's base model family, as `load_model`'s."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
-        return _load_adapter(path, dtype, device)
+        return _load_adapter(path, dtype, device, implementation)
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"{path}: no config.json or adapter_config.json: not a reward model")
@@ -137,7 +139,7 @@ def load_reward_model(
     return model
 
 
-def _load_adapter(path: Path, dtype: Any, device: Any) -> nn.Module:
+def _load_adapter(path: Path, dtype: Any, device: Any, implementation: str) -> nn.Module:
     from slipstream.checkpoint.adapter import load_adapter
     from slipstream.checkpoint.hf import load_model
     from slipstream.sources import adapter_base
@@ -153,7 +155,8 @@ def _load_adapter(path: Path, dtype: Any, device: Any) -> nn.Module:
             raise ValueError(f"{weights}: no {ADAPTER_HEAD_KEY} tensor: the score head is missing")
         head = f.get_tensor(ADAPTER_HEAD_KEY)
         metadata = f.metadata() or {}
-    model = load_model(adapter_base(path), dtype=dtype, device=device)
+    model = load_model(adapter_base(path), dtype=dtype, device=device,
+                       implementation=implementation)  # fmt: skip
     load_adapter(model, path, modules_to_save=(HEAD, "classifier"))
     add_score_head(model, head)
     if PAD_KEY in metadata:  # else (peft's or TRL's adapter) the caller takes the tokenizer's
