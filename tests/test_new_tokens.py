@@ -4,8 +4,9 @@ are the mean of the old ones; an adapter with trained rows (peft's trainable_tok
 or whole matrices (modules_to_save) loads in peft (`AutoPeftModelForCausalLM`, which grows
 the base to the saved tokenizer) with the same logits and, on the same batch, the same loss
 and gradients of every trained tensor; the merged export loads in transformers; a training
-run trains only the new rows and resumes exactly; malformed configs and adapters are
-one-line errors."""
+run trains only the new rows and resumes exactly; packed, grad-accum and one sequence a
+micro-batch give the same gradients; 2 gloo DDP ranks equal one process (slow); malformed
+configs and adapters are one-line errors."""
 
 from __future__ import annotations
 
@@ -235,3 +236,69 @@ def test_config_and_adapter_errors(tmp_path):
     (out / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["q_proj"]}))
     with pytest.raises(ValueError, match=r"modules_to_save=\['q_proj'\] is not supported"):
         load_adapter(load_model(d, dtype=torch.float32), out)
+
+
+def test_packed_and_grad_accum_equal_each_sequence_alone(tmp_path, monkeypatch):
+    """Trained new rows (embedding and head) and LoRA: three sequences that use the new
+    tokens, packed in one micro-batch, in two (grad-accum), and one a micro-batch: the same
+    summed loss and gradients of every trained tensor (the new rows' deltas included)."""
+    from slipstream.data.labels import Example
+    from slipstream.objectives.sft import SFT
+    from slipstream.ops import attention
+    from slipstream.train.loop import accumulate_gradients
+
+    monkeypatch.setattr(attention, "per_sequence_wins", lambda lengths: True)  # one path
+    d = base_dir(tmp_path, tied=False)
+    tok = tokenizer_with_new(d)
+    model = ours(d, tok)
+    new = tok.convert_tokens_to_ids(NEW)
+    g = torch.Generator().manual_seed(8)
+    examples = []
+    for n in (7, 11, 5):
+        ids = torch.randint(0, 300, (n,), generator=g).tolist()
+        ids[1], ids[-2] = new[len(examples)], new[(len(examples) + 1) % 3]
+        examples.append(Example(ids, [False] * 2 + [True] * (n - 2)))
+    objective = SFT()
+    out = []
+    for split in ([examples], [examples[:1], examples[1:]], [[e] for e in examples]):
+        model.zero_grad(set_to_none=True)
+        loss, _ = accumulate_gradients(model, [objective.collate(x) for x in split], objective)
+        out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.requires_grad}))  # fmt: skip
+    deltas = [n for n in out[0][1] if "delta" in n]
+    assert len(deltas) == 2 and all(out[0][1][n].abs().sum() > 0 for n in deltas)
+    for loss, grads in out[1:]:
+        torch.testing.assert_close(loss, out[0][0], atol=1e-5, rtol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, out[0][1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(tmp_path):
+    """model.add_tokens with LoRA under DDP: 2 gloo ranks with grad_accum 1 against one
+    process with grad_accum 2: the same losses and the same adapter, new rows included."""
+    from helpers.torchrun import check, train_job
+    from safetensors.torch import load_file
+
+    from slipstream.train import train
+
+    def raw(out, **train_options):
+        cfg = run_cfg(tmp_path, out, **train_options).model_dump(mode="json")
+        cfg["lora"]["dropout"] = 0.0  # each rank would draw its own masks
+        return cfg
+
+    train(config_from_dict(raw(tmp_path / "single", grad_accum=2)))
+    check(train_job(raw(tmp_path / "ddp", grad_accum=1, parallel="ddp", dist_timeout_s=60),
+                    tmp_path, timeout=300))  # fmt: skip
+    records = lambda out: {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl")  # noqa: E731
+                           .read_text().splitlines()) if "loss" in r}  # fmt: skip
+    want, got = records(tmp_path / "single"), records(tmp_path / "ddp")
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    for step, w in want.items():
+        assert got[step]["loss"] == pytest.approx(w["loss"], abs=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), step
+    a = load_file(tmp_path / "single" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "ddp" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("trainable_tokens_delta" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
