@@ -29,6 +29,7 @@ Shapes: T tokens, D hidden, F MLP width, N tiles.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -65,11 +66,27 @@ _CLASSES: dict[type, type] = {}
 
 
 def _tiled_forward(self, x: torch.Tensor, *args, **kwargs):
-    base = self._slipstream_tiled_base.forward
+    tile = self.__dict__.get("_slipstream_compiled_tile")  # `compile_tiles`: one tile's graph
+    if tile is None:
+        tile = functools.partial(self._slipstream_tiled_base.forward, self)
     return tiled_call(
-        lambda x_tile: base(self, x_tile, *args, **kwargs), x, self._slipstream_tiles,
+        lambda x_tile: tile(x_tile, *args, **kwargs), x, self._slipstream_tiles,
         self._slipstream_token_dim, self._slipstream_extras,
     )  # fmt: skip
+
+
+def compile_tiles(module: nn.Module, **compile_kwargs) -> bool:
+    """Regional compile of a tiled MLP: its per-tile forward is compiled, the tiling and
+    each tile's checkpoint stay eager around it (dynamo cannot trace
+    `torch.utils.checkpoint` over LoRA's closures in torch 2.13: "lift_tracked_freevar_to_input
+    should not be called on root SubgraphTracer"). False: `module` is not tiled."""
+    base = type(module).__dict__.get("_slipstream_tiled_base")
+    if base is None:
+        return False
+    module._slipstream_compiled_tile = torch.compile(
+        functools.partial(base.forward, module), **compile_kwargs
+    )
+    return True
 
 
 def _tiled_class(cls: type) -> type:
@@ -88,6 +105,7 @@ def tile_module(
     if base is not None:
         module.__class__ = base
         del module._slipstream_tiles, module._slipstream_token_dim, module._slipstream_extras
+        module.__dict__.pop("_slipstream_compiled_tile", None)
     if tiles is None or tiles < 2:
         return module
     module.__class__ = _tiled_class(type(module))
