@@ -1,7 +1,9 @@
 """RLOO through the trainer on a tiny random Llama (GRPO's rollout machinery, test_grpo_train's
-data and rewards): a LoRA run with a KL penalty logs RLOO's metrics and saves an adapter; a
-run stopped by a signal and resumed gives the same losses and adapter as one uninterrupted
-run; malformed rloo configs are one-line errors."""
+data and rewards): a LoRA run with a KL penalty logs RLOO's metrics and saves an adapter
+that peft loads; a run stopped by a signal and resumed gives the same losses and adapter as
+one uninterrupted run; malformed rloo configs are one-line errors; a reward model
+(`rewards: [model:DIR]`) scores the completions as transformers' classifier; 2 gloo ranks
+equal one process."""
 
 from __future__ import annotations
 
@@ -101,3 +103,59 @@ def test_two_ranks_match_one_process(tiny, tmp_path):  # noqa: F811
             assert got[step][key] == pytest.approx(w[key], abs=1e-5), (step, key)
         assert got[step]["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), step
     assert_same_adapter(tmp_path / "ddp", tmp_path / "single", atol=2e-5, rtol=1e-4)
+
+
+def test_a_reward_model_as_the_reward(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """rloo.rewards: [model:DIR] with a reward model saved by slipstream: a 2-step run scores
+    every completion with it (each rollout's scores equal the reward model's own, through
+    transformers' AutoModelForSequenceClassification, on the chat of prompt and completion)
+    and logs them as rewards/<DIR's name>/mean."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from slipstream.checkpoint.hf import load_model
+    from slipstream.checkpoint.reward_model import save_reward_model
+    from slipstream.models.score_head import add_score_head, pad_id_of
+    from slipstream.objectives.rloo import RLOO
+
+    model_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rm = load_model(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    add_score_head(rm).weight.data.normal_(0, 0.5)
+    save_reward_model(rm, tmp_path / "rm", pad_id_of(tokenizer))
+    tokenizer.save_pretrained(tmp_path / "rm")
+    raw = rloo_config(tiny, tmp_path / "run", rewards=[f"model:{tmp_path / 'rm'}"])
+    raw["train"]["steps"] = 2
+    assert config_from_dict(raw).rloo.rewards == [{"function": f"model:{tmp_path / 'rm'}"}]
+    seen, real = [], RLOO.score
+
+    def recorded(self, tok, examples, completions, per_prompt=None):
+        out = real(self, tok, examples, completions, per_prompt)
+        G = per_prompt or self.G
+        prompts = [examples[i // G].prompt for i in range(len(completions))]
+        seen.append((prompts, [tok.decode(c, skip_special_tokens=True) for c in completions], out))
+        return out
+
+    monkeypatch.setattr(RLOO, "score", recorded)
+    assert train(config_from_dict(raw))["status"] == "completed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert len(seen) == 2  # one rollout a step
+    for prompts, texts, scores in seen:
+        chats = [
+            tokenizer.apply_chat_template(p + [{"role": "assistant", "content": t}], tokenize=False)
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        batch = tokenizer(chats, return_tensors="pt", padding=True, padding_side="right",
+                          add_special_tokens=False)  # fmt: skip
+        with torch.no_grad():
+            want = hf(**batch).logits[:, 0]
+        torch.testing.assert_close(scores[:, 0], want, atol=1e-5, rtol=1e-5)
+    steps = [r for r in lines(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r, (_, _, scores) in zip(steps, seen, strict=True):
+        assert r["rewards/rm/mean"] == pytest.approx(float(scores[:, 0].mean()), abs=1e-6)

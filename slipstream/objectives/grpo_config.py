@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from slipstream.config_section import ObjectiveSection, option
 
@@ -34,8 +34,16 @@ class RolloutOptions(ObjectiveSection):
     rewards: list[dict[str, Any]] = Field(
         default_factory=list,
         description="reward functions: [{function: accuracy | file.py:name | model:DIR, "
-        "weight: 1.0}, ...]",
+        "weight: 1.0}, ...]; a name alone is weight 1",
     )
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _name_alone(cls, value: Any) -> Any:
+        """`rewards: [model:DIR, accuracy]`: an entry given as a name is {function: name}."""
+        if isinstance(value, list):
+            return [{"function": v} if isinstance(v, str) else v for v in value]
+        return value
 
     def check_run(self, cfg: Any) -> None:
         """Rewards are given, and a prompt's group of completions fits one micro-batch."""
