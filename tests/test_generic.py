@@ -385,3 +385,38 @@ def test_a_dpo_run_on_a_generic_model(tmp_path, quiet):
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
     assert summary is not None
+
+
+def test_preview_says_which_path_and_why(tmp_path, quiet, capsys):
+    """`slipstream preview` names the path a model takes and why, before any weights load:
+    OLMo 2 on transformers' code (no native family), a Llama on its native family or, forced,
+    on transformers' code; native on OLMo 2 is one line, exit 2."""
+    from helpers.runs import chat_rows, make_tiny_run, run_config
+    from helpers.tokenizers import save_test_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from slipstream import cli
+
+    llama, data = make_tiny_run(tmp_path)
+    olmo2 = tmp_path / "olmo2"
+    save_test_tokenizer(olmo2, "chatml", vocab_size=300)
+    AutoModelForCausalLM.from_config(tiny_config("olmo2", vocab_size=300)).save_pretrained(olmo2)
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(16)))
+    said = {}
+    for name, folder, implementation in [("olmo2", olmo2, "auto"), ("llama", llama, "auto"),
+                                         ("forced", llama, "transformers")]:  # fmt: skip
+        raw = run_config((folder, data), tmp_path / f"out_{name}")
+        raw["model"]["implementation"] = implementation
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(raw))
+        assert cli.main(["preview", str(tmp_path / f"{name}.yaml")]) == 0
+        said[name] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model "))
+    assert said == {
+        "olmo2": "model olmo2: transformers' modeling code: no native family for 'olmo2'",
+        "llama": "model llama: native family slipstream/models/llama.py",
+        "forced": "model llama: transformers' modeling code, as model.implementation="
+        "transformers asks",
+    }
+    args = ["preview", str(tmp_path / "olmo2.yaml"), "model.implementation=native"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "implementation=native but model_type 'olmo2'" in err[0]

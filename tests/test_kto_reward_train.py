@@ -378,3 +378,40 @@ def test_two_ranks_match_one_process(tiny, tmp_path, name):
     assert a.keys() == b.keys() and len(a) > 0
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=2e-5, rtol=1e-4)
+
+
+def test_a_generic_reward_run_repeats_the_native_run(tiny, tmp_path, capsys):
+    """The same LoRA reward run on transformers' modeling code (`model.implementation:
+    transformers`, the generic family) logs the native run's losses and reward metrics and
+    saves an adapter that peft loads on transformers' classifier with our scores."""
+    import peft
+    from transformers import AutoModelForSequenceClassification
+
+    from slipstream.scoring import RewardScorer
+
+    runs = {}
+    for implementation in ("native", "transformers"):
+        out = tmp_path / implementation
+        raw = config(tiny, "reward", out, steps=3)
+        raw["model"]["implementation"] = implementation
+        assert train(config_from_dict(raw))["status"] == "completed"
+        runs[implementation] = [r for r in records(out) if "loss" in r]
+    said = capsys.readouterr().err  # the load line: which path and why
+    assert "model llama: native family" in said
+    assert "model llama: transformers' modeling code, as model.implementation=transformers" in said
+    assert len(runs["native"]) == 3
+    for a, b in zip(runs["native"], runs["transformers"], strict=True):
+        for key in ("loss", *REWARD_KEYS):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    out = tmp_path / "transformers"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForSequenceClassification.from_pretrained(
+            tiny["model"], num_labels=1, pad_token_id=RewardScorer(out).pad_id,
+            dtype=torch.float32,
+        )  # fmt: skip
+    hf = peft.PeftModel.from_pretrained(hf, out).eval()
+    ids = [[1, 5, 9, 42, 7, 3], [8, 2, 11]]
+    with torch.no_grad():
+        want = [hf(input_ids=torch.tensor([s])).logits[0, 0].item() for s in ids]
+    assert RewardScorer(out).score_ids(ids) == pytest.approx(want, abs=1e-5)

@@ -107,7 +107,9 @@ def load_with_head(
 
     # Tied: the model is built without an LM head (the checkpoint has none to load).
     model = _load({**hf, "tie_word_embeddings": True}, backbone_tensors(), dtype, device,
-                  str(folder))  # fmt: skip
+                  str(folder), folder=folder)  # fmt: skip
+    if head not in found:  # transformers' own loader (the generic family) read the backbone
+        found.update(_safetensors_tensors(folder, only={head}))
     if head not in found:
         raise ValueError(f"{folder}: checkpoint has no {head!r} tensor (not a reward model)")
     model.config.hf = hf

@@ -136,6 +136,8 @@ def load(
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        if hf.get("tie_word_embeddings") and not config.tie_word_embeddings:
+            config.tie_word_embeddings = True  # no LM head in the folder (load_with_head's)
         kwargs = _implementations(config)
         if quantize == "nf4" and getattr(config, "quantization_config", None) is None:
             kwargs["quantization_config"] = nf4_config(config, dtype, decoder_of, trust_remote_code)
