@@ -1,6 +1,7 @@
 """GGUF export of models built by transformers' modeling code (checkpoint/gguf_generic.py):
-OLMo 2 and Mixtral as llama.cpp names and lays them out; Qwen2-MoE read back by transformers'
-own GGUF reader; in llama.cpp itself (llama-cpp-python,
+OLMo 2, Mixtral, Gemma 2, StarCoder2, StableLM, Phi, Granite and SmolLM3 as llama.cpp names and
+lays them out; Qwen2-MoE, Gemma 2, StarCoder2 and StableLM read back by transformers' own GGUF
+reader (its inverse of llama.cpp's converter) to our logits; in llama.cpp itself (llama-cpp-python,
 the `slipstream[gguf]` extra: skipped where it is not installed) their logits and greedy
 tokens are ours; other types are refused in one line naming the type."""
 
@@ -35,11 +36,24 @@ def _fields(reader) -> dict:
     return out
 
 
-@pytest.mark.parametrize(
-    ("model_type", "arch", "experts"), [("olmo2", "olmo2", None), ("mixtral", "llama", 4)]
-)
-def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer, model_type,  # noqa: F811
-                                                      arch, experts):  # fmt: skip
+# model_type -> (llama.cpp architecture, experts, tensors per layer, Q/K permuted, overrides)
+LAYOUT = {
+    "olmo2": ("olmo2", None, 11, False, {}),  # q/k/v/o, q/k norms, gate/up/down, 2 post-norms
+    "mixtral": ("llama", 4, 10, True, {}),  # q/k/v/o, 2 norms, router, 3 expert stacks
+    "gemma2": ("gemma2", None, 11, False, {"tie_word_embeddings": True,
+                                           "query_pre_attn_scalar": 16}),  # 4 norms
+    "starcoder2": ("starcoder2", None, 16, False, {"sliding_window": None}),  # + 8 biases
+    "stablelm": ("stablelm", None, 11, False, {}),  # q/k/v/o, gate/up/down, 2 LayerNorms
+    "phi": ("phi2", None, 14, False, {"num_key_value_heads": 4}),  # + biases, 1 LayerNorm
+    "granite": ("granite", None, 9, True, {}),
+    "smollm3": ("smollm3", None, 9, True, {}),
+}  # fmt: skip
+# The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
+OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5}
+
+
+@pytest.mark.parametrize("model_type", list(LAYOUT))
+def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer, model_type):  # noqa: F811
     """Every tensor under a name of llama.cpp's table for the architecture, in its layout:
     Mixtral's Q/K rows permuted per head as native llama's are (OLMo 2's NeoX RoPE: not),
     its experts split into stacked gate/up/down, the router f32; the hyperparameters under
@@ -48,7 +62,8 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
 
     from slipstream.checkpoint.gguf_spec import permute_rotary
 
-    model = _generic(tmp_path, model_type)
+    arch, experts, per_layer, permuted, overrides = LAYOUT[model_type]
+    model = _generic(tmp_path, model_type, **overrides)
     assert type(model).__name__ == "GenericCausalLM"
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     path = export_gguf(model, tmp_path / "m.gguf", "f32", tokenizer=tokenizer)
@@ -57,8 +72,12 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     assert fields["general.architecture"] == arch
     theta = model.hf.config.rope_parameters["rope_theta"]
     assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
-    assert fields[f"{arch}.block_count"] == [2] and fields[f"{arch}.attention.head_count_kv"] == [2]
+    kv = model.hf.config.num_key_value_heads
+    assert fields[f"{arch}.block_count"] == [2] and fields[f"{arch}.attention.head_count_kv"] == [
+        kv
+    ]
     assert fields.get(f"{arch}.expert_count") == ([experts] if experts else None)
+    _assert_arch_fields(model_type, arch, fields, model.hf.config)
     known = set(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]])
     tensors = {t.name: t for t in reader.tensors}
     for name in tensors:
@@ -66,17 +85,45 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
         assert any(stem == k.format(bid=b) for k in known for b in (0, 1)), name
     q = torch.from_numpy(tensors["blk.1.attn_q.weight"].data.copy())
     hf_q = state["model.layers.1.self_attn.q_proj.weight"]
-    want_q = permute_rotary(hf_q, 4) if model_type == "mixtral" else hf_q
+    want_q = permute_rotary(hf_q, 4) if permuted else hf_q
     torch.testing.assert_close(q, want_q)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 2)
+    hf_name = next(
+        n for n in state if n.startswith("model.layers.0.") and n.endswith("norm.weight")
+    )
+    hf_norm = state[hf_name]  # Gemma's 1 + w, stored
+    norm = torch.from_numpy(tensors[names.get_name(hf_name, try_suffixes=(".weight",))].data.copy())
+    torch.testing.assert_close(norm, hf_norm + 1 if model_type == "gemma2" else hf_norm)
     if experts:
         gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]  # (E, 2I, D), gate first
         up = torch.from_numpy(tensors["blk.0.ffn_up_exps.weight"].data.copy())
         torch.testing.assert_close(up, gate_up[:, gate_up.shape[1] // 2 :])
         assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
-        # embedding, final norm, head; a layer: q/k/v/o, 2 norms, router, 3 expert stacks
-        assert len(tensors) == 3 + 2 * 10
-    else:  # a layer: q/k/v/o, q/k norms, gate/up/down, post-attention and post-MLP norms
-        assert len(tensors) == 3 + 2 * 11
+    assert len(tensors) == OUTSIDE.get(model_type, 3) + 2 * per_layer
+
+
+def _assert_arch_fields(model_type, arch, fields, hf) -> None:
+    """The architecture's own keys, as llama.cpp's converter writes them."""
+    if model_type == "gemma2":
+        assert fields["gemma2.attn_logit_softcapping"] == [pytest.approx(hf.attn_logit_softcapping)]
+        assert fields["gemma2.final_logit_softcapping"] == [
+            pytest.approx(hf.final_logit_softcapping)
+        ]
+        assert fields["gemma2.attention.sliding_window"] == [hf.sliding_window]
+    if model_type in ("starcoder2", "stablelm", "phi"):
+        eps = getattr(hf, "layer_norm_eps", None) or hf.norm_epsilon
+        assert fields[f"{arch}.attention.layer_norm_epsilon"] == [pytest.approx(eps)]
+    if model_type in ("stablelm", "phi"):  # partial rotary: 25% and 50% of the head
+        rotary = hf.rope_parameters.get("partial_rotary_factor", 1.0)
+        assert rotary < 1 and fields[f"{arch}.rope.dimension_count"] == [int(16 * rotary)]
+    if model_type == "stablelm":
+        assert fields["stablelm.use_parallel_residual"] == [hf.use_parallel_residual]
+    if model_type == "granite":
+        for key, attr in [("attention.scale", "attention_multiplier"),
+                          ("embedding_scale", "embedding_multiplier"),
+                          ("residual_scale", "residual_multiplier"),
+                          ("logit_scale", "logits_scaling")]:  # fmt: skip
+            assert fields[f"granite.{key}"] == [pytest.approx(getattr(hf, attr))], key
 
 
 def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, tokenizer):  # noqa: F811
@@ -103,6 +150,35 @@ def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, token
         torch.testing.assert_close(hf(ids[None]).logits[0], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16}),
+     ("starcoder2", {"sliding_window": None}), ("stablelm", {})],
+)  # fmt: skip
+def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokenizer, model_type,  # noqa: F811
+                                                         overrides):  # fmt: skip
+    """transformers' GGUF loader (written after llama.cpp's converter: Gemma's norms - 1,
+    StableLM's biases and parallel residual read from the tensors) gets back the config
+    fields it reads and, on the original config, our logits on a 16-token prompt."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = _generic(tmp_path, model_type, **overrides)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    with torch.no_grad():
+        ref = model(ids, SeqInfo.from_lengths([len(ids)]))
+    folder = tmp_path / model_type
+    export_gguf(model, folder / "m.gguf", "f32", tokenizer=tokenizer)
+    read = AutoConfig.from_pretrained(folder, gguf_file="m.gguf")
+    want = AutoConfig.from_pretrained(folder)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")  # fmt: skip
+    assert {k: getattr(read, k) for k in keys} == {k: getattr(want, k) for k in keys}
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf", config=want,
+                                              dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids[None]).logits[0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
     lfm2 = _generic(tmp_path, "lfm2")
     with pytest.raises(ValueError, match="model_type 'lfm2' has no llama.cpp architecture") as e:
@@ -117,6 +193,19 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
     normed = _generic(tmp_path, "qwen2_moe", norm_topk_prob=True)
     with pytest.raises(ValueError, match="qwen2_moe with norm_topk_prob=true: llama.cpp"):
         export_gguf(normed, tmp_path / "d.gguf", "f32", tokenizer=tokenizer)
+    cases = [  # what llama.cpp's architecture fixes otherwise
+        ("gemma2", {"query_pre_attn_scalar": 16}, "gemma2 with an untied lm_head"),
+        ("gemma2", {"tie_word_embeddings": True}, "gemma2 with query_pre_attn_scalar=256"),
+        ("starcoder2", {"sliding_window": 8}, "starcoder2 with sliding_window=8"),
+        ("phi", {}, "phi with 2 key/value heads"),
+        ("smollm3", {"no_rope_layers": [1, 0]}, r"smollm3 with no_rope_layers=\[1, 0\]"),
+        ("granite", {"head_dim": 4}, "granite with head_dim=4"),
+    ]
+    for i, (model_type, overrides, match) in enumerate(cases):
+        model = _generic(tmp_path / str(i), model_type, **overrides)
+        with pytest.raises(ValueError, match=f"GGUF export: {match}: llama.cpp") as e:
+            export_gguf(model, tmp_path / f"{i}.gguf", "f32", tokenizer=tokenizer)
+        assert "\n" not in str(e.value) and "another model" in str(e.value)
     assert not list(tmp_path.glob("*.gguf"))
 
 

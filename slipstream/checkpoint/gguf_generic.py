@@ -12,6 +12,26 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
 - qwen2_moe: llama.cpp's QWEN2MOE: the experts split as Mixtral's, the shared expert and its
   sigmoid gate (`ffn_*_shexp`, `ffn_gate_inp_shexp`); llama.cpp does not renormalise the
   top-k router weights (transformers' default, norm_topk_prob=false; true is refused).
+- gemma2: GEMMA2 (NeoX RoPE: no permutation): RMSNorm weights stored as 1 + w (HF adds the 1
+  at run time), both softcaps and the window under their keys; the output is the token
+  embedding (tied only), queries scaled by 1/sqrt(head_dim) (27B: sqrt(D/H)), every 2nd
+  layer full attention: other configs are refused.
+- starcoder2, stablelm, phi (llama.cpp's PHI2): NeoX RoPE, LayerNorm with biases, their
+  `layer_norm_epsilon`; StableLM's parallel residual flag; partial rotary dims. Refused:
+  a StarCoder2 sliding window (llama.cpp's starcoder2 attends over everything) or no biases,
+  per-head q/k norms (StableLM, Phi), Phi with grouped K/V (llama.cpp's phi2 has none).
+- granite, smollm3: llama-style RoPE, so Q/K rows permuted per head as native llama's are;
+  Granite's four multipliers (attention, embedding, residual, logits) under llama.cpp's scale
+  keys (head_dim must be D/H: llama.cpp derives it); SmolLM3 with llama.cpp's fixed NoPE
+  pattern only (no RoPE on every 4th layer, `no_rope_layers`) and no sliding window.
+
+Activations are checked too: llama.cpp fixes each architecture's (GELU tanh for gemma2,
+starcoder2 and phi2; SiLU for the rest).
+
+These follow llama.cpp's converter (convert_hf_to_gguf.py / conversion/*.py); llama.cpp itself
+has not run them here (llama-cpp-python is not built in this environment): the tests check
+names and layout against the `gguf` package's tables and read gemma2, starcoder2 and stablelm
+back with transformers' own GGUF loader (its inverse of the converter) to our logits.
 
 A model type with no spec here is a one-line refusal naming it (gguf_arch.spec_for).
 No torch import at module level (gguf_spec.py says why).
@@ -22,6 +42,8 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
 
 def _no_tensors(cfg: Any):
@@ -113,4 +135,142 @@ QWEN2MOE = GGUFSpec(
     pre_tokenizer="qwen2",
 )
 
-GENERIC_SPECS = {t: spec for spec in (OLMO2, MIXTRAL, QWEN2MOE) for t in spec.model_types}
+
+def _refuse(model_type: str, what: str, why: str) -> None:
+    raise ValueError(
+        f"GGUF export: {model_type} with {what}: {why}, so it would compute another model."
+    )
+
+
+def _activation(model_type: str, hf: dict, key: str, allowed: tuple[str, ...]) -> None:
+    act = hf.get(key)
+    if act not in allowed:
+        _refuse(model_type, f"{key}={act}", f"llama.cpp's {model_type} runs {allowed[0]}")
+
+
+def _gemma2_check(cfg: Any, hf: dict) -> None:
+    from slipstream.checkpoint.gguf_families import check_layer_types
+
+    if not cfg.tie_word_embeddings:
+        _refuse(
+            "gemma2", "an untied lm_head", "llama.cpp's gemma2 outputs through the token embedding"
+        )
+    scalar, heads = float(hf.get("query_pre_attn_scalar") or cfg.head_dim), cfg.num_attention_heads
+    if scalar != cfg.head_dim and not (
+        cfg.num_hidden_layers == 46 and scalar * heads == cfg.hidden_size
+    ):
+        _refuse("gemma2", f"query_pre_attn_scalar={scalar:g}",
+                "llama.cpp scales queries by 1/sqrt(head_dim) (27B excepted)")  # fmt: skip
+    _activation("gemma2", hf, "hidden_activation", _GELU_TANH)
+    check_layer_types(cfg, hf, 2)
+
+
+def _gemma2_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_attn_logit_softcapping(float(hf["attn_logit_softcapping"]))
+    w.add_final_logit_softcapping(float(hf["final_logit_softcapping"]))
+    w.add_sliding_window(int(hf["sliding_window"]))
+
+
+def _layer_norm_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_layer_norm_eps(float(hf.get("layer_norm_eps") or hf.get("norm_epsilon") or 1e-5))
+
+
+def _starcoder2_check(cfg: Any, hf: dict) -> None:
+    if hf.get("sliding_window"):
+        _refuse("starcoder2", f"sliding_window={hf['sliding_window']}",
+                "llama.cpp's starcoder2 attends over the whole context")  # fmt: skip
+    if not hf.get("use_bias", True):
+        _refuse("starcoder2", "use_bias=false", "llama.cpp's starcoder2 expects the biases")
+    _activation("starcoder2", hf, "hidden_act", _GELU_TANH)
+
+
+def _stablelm_check(cfg: Any, hf: dict) -> None:
+    if hf.get("qk_layernorm"):
+        _refuse("stablelm", "qk_layernorm=true", "its per-head q/k norms are not written here")
+    _activation("stablelm", hf, "hidden_act", ("silu",))
+
+
+def _stablelm_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    _layer_norm_metadata(w, cfg, hf)
+    w.add_parallel_residual(bool(hf.get("use_parallel_residual", True)))
+
+
+def _phi_check(cfg: Any, hf: dict) -> None:
+    if hf.get("qk_layernorm"):
+        _refuse("phi", "qk_layernorm=true", "llama.cpp's phi2 has no q/k norms")
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        _refuse("phi", f"{cfg.num_key_value_heads} key/value heads",
+                "llama.cpp's phi2 has as many as query heads")  # fmt: skip
+    _activation("phi", hf, "hidden_act", _GELU_TANH)
+
+
+def _llama_rows(*suffix: str) -> tuple[TensorTransform, ...]:
+    """Q and K rows permuted per head: llama.cpp runs these with llama's (GPT-J) RoPE."""
+    return (
+        rotary_rows(tuple(f"q_proj.{x}" for x in suffix), lambda cfg: cfg.num_attention_heads),
+        rotary_rows(tuple(f"k_proj.{x}" for x in suffix), lambda cfg: cfg.num_key_value_heads),
+    )
+
+
+def _granite_check(cfg: Any, hf: dict) -> None:
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        _refuse("granite", f"head_dim={cfg.head_dim}",
+                "llama.cpp's granite derives it as hidden_size / num_attention_heads")  # fmt: skip
+    _activation("granite", hf, "hidden_act", ("silu",))
+
+
+def _granite_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_attention_scale(float(hf["attention_multiplier"]))
+    w.add_embedding_scale(float(hf["embedding_multiplier"]))
+    w.add_residual_scale(float(hf["residual_multiplier"]))
+    w.add_logit_scale(float(hf["logits_scaling"]))
+
+
+def _smollm3_check(cfg: Any, hf: dict) -> None:
+    L = cfg.num_hidden_layers
+    fixed = [int((i + 1) % 4 != 0) for i in range(L)]  # 0: no RoPE on that layer
+    if list(hf.get("no_rope_layers") or fixed)[:L] != fixed:  # transformers reads the first L
+        _refuse("smollm3", f"no_rope_layers={hf.get('no_rope_layers')}",
+                "llama.cpp's smollm3 skips RoPE on every 4th layer exactly")  # fmt: skip
+    if hf.get("use_sliding_window"):
+        _refuse("smollm3", "use_sliding_window=true", "llama.cpp's smollm3 has no window")
+    _activation("smollm3", hf, "hidden_act", ("silu",))
+
+
+GEMMA2 = GGUFSpec(
+    "GEMMA2", "gemma2", ("gemma2",), check=_gemma2_check, write_metadata=_gemma2_metadata,
+    extra_tensors=_no_tensors,
+    transforms=(  # Gemma's RMSNorm multiplies by 1 + w; llama.cpp's by the stored weight
+        TensorTransform(
+            ("norm.weight",),
+            lambda cfg, name, t: [(name, t.float() + 1.0)],
+            lambda cfg, name, parts: iter([(name, parts[0] - 1.0)]),
+        ),
+    ),
+)  # fmt: skip
+STARCODER2 = GGUFSpec(
+    "STARCODER2", "starcoder2", ("starcoder2",), check=_starcoder2_check,
+    write_metadata=_layer_norm_metadata, extra_tensors=_no_tensors,
+)  # fmt: skip
+STABLELM = GGUFSpec(
+    "STABLELM", "stablelm", ("stablelm",), check=_stablelm_check,
+    write_metadata=_stablelm_metadata, extra_tensors=_no_tensors,
+)  # fmt: skip
+PHI2 = GGUFSpec(
+    "PHI2", "phi2", ("phi",), check=_phi_check, write_metadata=_layer_norm_metadata,
+    extra_tensors=_no_tensors,
+)  # fmt: skip
+GRANITE = GGUFSpec(
+    "GRANITE", "granite", ("granite",), check=_granite_check, write_metadata=_granite_metadata,
+    extra_tensors=_no_tensors, transforms=_llama_rows("weight", "bias"),
+)  # fmt: skip
+SMOLLM3 = GGUFSpec(
+    "SMOLLM3", "smollm3", ("smollm3",), check=_smollm3_check, write_metadata=rope_from_hf,
+    extra_tensors=_no_tensors, transforms=_llama_rows("weight", "bias"),
+)  # fmt: skip
+
+SPECS = (OLMO2, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3)
+GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
