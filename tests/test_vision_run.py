@@ -131,3 +131,39 @@ def test_chat_with_an_image_answers_as_generate(run_dir, monkeypatch, capsys):
     (c,) = slipstream.generate(slipstream.load_model(folder), [prompt], tokenizer=tok,
                                max_new_tokens=4)  # fmt: skip
     assert reply.strip() == c.text.strip() and reply.strip()
+
+
+def test_gemma3_image_rows_train_on_the_generic_path_and_generate_with_an_image(tmp_path, capsys):
+    import slipstream
+    from slipstream.checkpoint.adapter import load_adapter
+
+    root = tmp_path
+    folder = vlm_folder(root / "model", "gemma3")
+    (root / "data" / "pics").mkdir(parents=True)
+    names = write_images(root / "data" / "pics", [(40, 60), (30, 30)])
+    rows = []
+    for i in range(6):
+        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
+        turns = [{"role": "user", "content": parts},
+                 {"role": "assistant", "content": f"Picture {i % 2}."}]  # fmt: skip
+        rows.append({"messages": turns, "images": [f"pics/{names[i % 2]}"]})
+    data = root / "data" / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = root / "out"
+    assert cli.main(["train", str(_config((folder, data, root), out))]) == 0
+    said = capsys.readouterr()
+    assert "image side trains on transformers' image-text code" in said.out + said.err
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, out)
+    lora = [n for n, _ in peft_model.named_modules() if n.endswith("lora_A")]
+    assert lora and not [n for n in lora if "vision_tower" in n]
+    image = str(data.parent / "pics" / names[1])
+    argv = ["generate", str(out), "Which is it?", "--image", image, "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    model = load_adapter(slipstream.load_model(folder, implementation="transformers"), out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = [{"role": "user", "content": [{"type": "image", "path": image},
+                                           {"type": "text", "text": "Which is it?"}]}]  # fmt: skip
+    (c,) = slipstream.generate(model, [prompt], tokenizer=tok, max_new_tokens=4)
+    assert printed == c.text.strip()

@@ -32,6 +32,11 @@ def check_model_source(
     return f"{model_type}: {why}"
 
 
+def model_config(source: str, what: str = "model.path") -> dict | None:
+    """A local model source's config.json as a dict (None: not local, or unreadable)."""
+    return _config_dict(source, what)
+
+
 def _config_dict(source: str, what: str) -> dict | None:
     config = Path(resolve_model(source, what)) / "config.json"
     try:

@@ -6,7 +6,8 @@ LM head on those rows only and never has to find them with a boolean mask (a hos
 `input_ids`, `labels` and `label_positions` are views of one (pinned, when CUDA is present)
 host buffer: `Batch.to(device)` is one non-blocking copy for all three plus the `SeqInfo`'s.
 Examples with images add their model inputs and `image_rows`, the packed positions their
-features fill, built here on the host (data/vision.py `put_images`).
+features fill, built here on the host (data/vision.py `put_images`), and, for models whose
+image rows attend bidirectionally, the batch's `seq.image_spans`.
 
 Shapes: T = total tokens in the batch, N = labelled positions (`num_labels`).
 """
@@ -17,7 +18,13 @@ from collections.abc import Sequence
 
 from slipstream.data.labels import Example
 from slipstream.data.packed import IGNORE_INDEX, PackedBatch, PackedBuilder, target_spans
-from slipstream.data.vision import MROPE_FIELD, ImageExample, packed_positions_3d, put_images
+from slipstream.data.vision import (
+    MROPE_FIELD,
+    ImageExample,
+    packed_image_spans,
+    packed_positions_3d,
+    put_images,
+)
 
 __all__ = ["IGNORE_INDEX", "Batch", "collate"]
 
@@ -43,4 +50,7 @@ def collate(examples: Sequence[Example]) -> Batch:
         positions = packed_positions_3d(examples)
         if positions is not None:
             builder.put(MROPE_FIELD, positions)
-    return builder.build()
+    batch = builder.build()
+    if with_images:  # Gemma 3: each image's rows see one another (ops/attention.py)
+        batch.seq.image_spans = packed_image_spans(with_images)
+    return batch

@@ -38,8 +38,12 @@ from slipstream.sources import is_hub_id
 log = logging.getLogger("slipstream")
 
 # What each model's forward takes of the image processor's output (besides pixel_values).
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # 3-D rotary positions: data/mrope.py
+# Image tokens that attend to their whole image (transformers' token_type_ids mask).
+BIDIRECTIONAL_TYPES = ("gemma3",)
+# Image processors that split an image into crops and say the grid only when asked.
+ROW_COL_TYPES = ("idefics3", "smolvlm")
 MROPE_FIELD = "mrope_position_ids"  # (3, T): the packed batch's 3-D positions
 
 
@@ -54,10 +58,21 @@ class ImageExample(Example):
     sizes: list[tuple[int, int]] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
     positions_3d: list[list[int]] | None = None  # Qwen-VL's mRoPE positions (data/mrope.py)
+    bidirectional: bool = False  # each image's rows see one another (BIDIRECTIONAL_TYPES)
 
     def feature_rows(self) -> list[int]:
         """The token positions that receive image features, in order (host scan)."""
         return [t for t, i in enumerate(self.input_ids) if i == self.image_token_id]
+
+    def image_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each run of consecutive image-token positions: one image's rows."""
+        spans: list[list[int]] = []
+        for t in self.feature_rows():
+            if spans and spans[-1][1] == t:
+                spans[-1][1] = t + 1
+            else:
+                spans.append([t, t + 1])
+        return [(a, b) for a, b in spans]
 
     def truncated(self, max_tokens: int) -> ImageExample:
         """The first `max_tokens` tokens; RowError when the cut falls before an image ends."""
@@ -149,8 +164,11 @@ class ImageProcessing:
 
     def process(self, image: Any) -> tuple[dict[str, torch.Tensor], str, tuple[int, int]]:
         """(one image's model inputs, its token sequence, its (height, width) resized)."""
-        out = self.image_processor(images=[image], return_tensors="pt")
+        extra = {"return_row_col_info": True} if self.model_type in ROW_COL_TYPES else {}
+        out = self.image_processor(images=[image], return_tensors="pt", **extra)
         inputs = {k: torch.as_tensor(out[k]) for k in MODEL_INPUTS if k in out}
+        if inputs["pixel_values"].dim() == 5:  # (1, crops, C, H, W): one image's crops
+            inputs = {k: v[0] if k.startswith("pixel_") else v for k, v in inputs.items()}
         if "image_grid_thw" in inputs:
             patch = self.image_processor.patch_size
             _, h, w = inputs["image_grid_thw"][0].tolist()  # host tensors from the processor
@@ -204,7 +222,10 @@ class ImageProcessing:
             grids = inputs["image_grid_thw"].tolist()  # host tensors from the processor
             positions = mrope_positions(ids, self.image_token_id, grids, merge)
         ids = list(ids)
-        return ImageExample(ids, trainable, inputs, self.image_token_id, sizes, counts, positions)
+        return ImageExample(
+            ids, trainable, inputs, self.image_token_id, sizes, counts, positions,
+            bidirectional=self.model_type in BIDIRECTIONAL_TYPES,
+        )  # fmt: skip
 
     def _expander(self, replacements: list[str]) -> Callable[[str], str]:
         """A text's placeholders replaced in order by `replacements` (one per image)."""
@@ -278,14 +299,24 @@ def packed_positions_3d(examples: list[Any]) -> torch.Tensor | None:
 
 def cat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Tensors concatenated along dim 0; pixel batches (N, C, H, W) of different sizes (Pixtral
-    keeps each image's size) zero-padded at the bottom and right to the largest, as
-    transformers' image processors batch them (the true sizes are `image_sizes`)."""
-    if tensors[0].dim() == 4 and len({t.shape[-2:] for t in tensors}) > 1:
+    keeps each image's size) and pixel masks (N, H, W) zero-padded at the bottom and right to
+    the largest, as transformers' image processors batch them (the true sizes are
+    `image_sizes`, or the mask)."""
+    if tensors[0].dim() >= 3 and len({t.shape[-2:] for t in tensors}) > 1:
         h = max(t.shape[-2] for t in tensors)
         w = max(t.shape[-1] for t in tensors)
         pad = torch.nn.functional.pad
         tensors = [pad(t, (0, w - t.shape[-1], 0, h - t.shape[-2])) for t in tensors]
     return torch.cat(tensors)
+
+
+def packed_image_spans(examples: list[tuple[int, ImageExample]]) -> tuple[tuple[int, int], ...]:
+    """The packed (start, end) of every image of the bidirectional examples (SeqInfo's
+    `image_spans`), from the host ids."""
+    return tuple(
+        (start + a, start + b) for start, ex in examples if ex.bidirectional
+        for a, b in ex.image_spans()
+    )  # fmt: skip
 
 
 def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:

@@ -46,10 +46,11 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)  # fmt: skip
 
 
-def load(args: argparse.Namespace, chat: bool = False):
+def load(args: argparse.Namespace, chat: bool = False, images: bool = False):
     """(model, tokenizer) of a model folder, or of an adapter folder on its base model;
-    `chat`: the tokenizer must have a chat template (said before the weights load)."""
-    from slipstream.checkpoint.model_type import check_model_source
+    `chat`: the tokenizer must have a chat template (said before the weights load);
+    `images`: prompts hold images (Gemma 3 then loads on the generic image-text path)."""
+    from slipstream.checkpoint.model_type import check_model_source, model_config
     from slipstream.sources import adapter_base, check_model_path
 
     src = Path(args.model)
@@ -68,7 +69,10 @@ def load(args: argparse.Namespace, chat: bool = False):
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {args.model} has no chat template; use generate")
     dtype = resolve_dtype(getattr(args, "dtype", "auto"), device)
-    model = load_model(base, dtype=dtype, device=device)
+    from slipstream.models import image_text_implementation
+
+    how = image_text_implementation(model_config(base, what)) if images else "auto"
+    model = load_model(base, dtype=dtype, device=device, implementation=how)
     if adapter:
         load_adapter(model, adapter)
     return model.eval(), tokenizer
@@ -100,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if images and args.input is not None:
         raise ValueError("--image is for one prompt; in a jsonl file give image parts")
     if args.input is None:
-        model, tokenizer = load(args)
+        model, tokenizer = load(args, images=bool(images))
         from slipstream.generation.api import as_prompt, generate_rows
 
         prompt = as_prompt(args.prompt, tokenizer, args.raw)
@@ -115,7 +119,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from slipstream.data.images import images_relative_to
 
     with staged_file(out) as f:  # opened before the model loads, so nothing waits on it
-        model, tokenizer = load(args)
+        from slipstream.data.images import has_images
+
+        image_rows = any(has_images(row) for _, row in rows if "messages" in row)
+        model, tokenizer = load(args, images=image_rows)
         prompts = [row_prompt(row, tokenizer, args.raw) for _, row in rows]
         with images_relative_to(args.input):  # image parts' paths are relative to the file
             kw = generate_kwargs(args, tokenizer)
@@ -261,7 +268,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Read a message, stream the reply, repeat (generation/chat.py: the loop, its commands)."""
     check_args(args)
     images = check_images(args)
-    model, tokenizer = load(args, chat=True)
+    model, tokenizer = load(args, chat=True, images=bool(images))
     from slipstream.generation.api import generate_rows
     from slipstream.generation.chat import chat_loop
 

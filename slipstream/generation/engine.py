@@ -36,6 +36,7 @@ import torch
 
 import slipstream.generation.hf_engine as hf_engine
 from slipstream.generation.cache import Decode, KVCache, Prefill, decode_seq
+from slipstream.generation.images import HOST_KEYS, OFFSETS_KEY, SPANS_KEY
 from slipstream.generation.packed_linear import packed_linears
 from slipstream.generation.sampling import Sampling, sample
 from slipstream.ops.packing import SeqInfo
@@ -122,6 +123,10 @@ def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, genera
         logits_BV = logits_BV.index_select(0, repeat)
     live = list(rows)
     pos_B = torch.tensor([r.prompt_len for r in live]).to(device, non_blocking=True)
+    offsets = (images or {}).get(OFFSETS_KEY)  # Qwen-VL: rotary position - cache position
+    off_B = None
+    if offsets is not None:
+        off_B = torch.tensor([offsets[r.prompt_index] for r in live]).to(device, non_blocking=True)
     buf_BK2 = torch.zeros(len(live), K, 2, dtype=torch.int32, device=device)
     switch = model.rope_switch_length  # None for every family but Phi-3 longrope
     gen_BS = torch.zeros(len(live), steps, dtype=torch.long, device=device) if switch else None
@@ -143,13 +148,17 @@ def _run(model, lm_head, prompts, rows, n, sampling, stop_ids, find_stop, genera
                 keep_B = torch.tensor(keep).to(device, non_blocking=True)
                 cache.keep_rows(keep_B)
                 pos_B, token_B = pos_B.index_select(0, keep_B), token_B.index_select(0, keep_B)
+                off_B = off_B.index_select(0, keep_B) if off_B is not None else None
                 buf_BK2 = buf_BK2.index_select(0, keep_B)
                 gen_BS = gen_BS.index_select(0, keep_B) if gen_BS is not None else None
         if step + 1 == steps:
             break
         prompt_lens = [r.prompt_len for r in live]
         step_kv = Decode(cache, pos_B, min(prompt_lens) + step, max(prompt_lens) + step)
-        h_BD = model.hidden_states(token_B, decode_seq(pos_B, step_kv))
+        seq = decode_seq(pos_B, step_kv)
+        if off_B is not None:  # the rotary positions; the cache is still written at pos_B
+            seq.position_ids = pos_B + off_B
+        h_BD = model.hidden_states(token_B, seq)
         step_kv.finish()
         logits_BV = lm_head(h_BD)
         if switch is not None:
@@ -173,7 +182,9 @@ def _prefill(model, cache: KVCache, prompts, lm_head, device, images=None) -> to
     if images is None:
         h_TD = model.hidden_states(ids_T, seq)
     else:
-        images = {k: v.to(device, non_blocking=True) for k, v in images.items()}
+        seq.image_spans = images.get(SPANS_KEY, ())  # host ints (Gemma 3's images)
+        images = {k: v.to(device, non_blocking=True) for k, v in images.items()
+                  if k not in HOST_KEYS}  # fmt: skip
         h_TD = model.hidden_states(ids_T, seq, images=images)
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1

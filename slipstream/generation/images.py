@@ -8,6 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+SPANS_KEY = "image_spans"  # the prefill's SeqInfo.image_spans, beside the image tensors
+# Qwen-VL: per prompt, where decoding's positions continue past its prompt length (host ints).
+OFFSETS_KEY = "position_offsets"
+HOST_KEYS = (SPANS_KEY, OFFSETS_KEY)
+
 
 def image_prompts(model: Any, prompts: Sequence[Any], tokenizer: Any) -> dict[int, Any]:
     """{prompt index: data.vision.ImageExample} of the chat prompts with image parts; a
@@ -42,10 +47,28 @@ def image_prompts(model: Any, prompts: Sequence[Any], tokenizer: Any) -> dict[in
 
 def packed_prompt_images(examples: dict, lengths: Sequence[int]) -> dict | None:
     """The image inputs of the prompts in `examples` (index -> ImageExample) in the layout of
-    all prompts packed in order (`lengths`), or None when none has images."""
-    from slipstream.data.vision import packed_images
+    all prompts packed in order (`lengths`), or None when none has images; `SPANS_KEY`: the
+    host spans whose rows attend bidirectionally (Gemma 3), for the prefill's SeqInfo;
+    Qwen-VL's 3-D positions (`mrope_position_ids`) and `OFFSETS_KEY`, host ints per prompt:
+    decode position minus cache position (0 for a text prompt)."""
+    import torch
+
+    from slipstream.data.vision import MROPE_FIELD, packed_image_spans, packed_images
 
     if not examples:
         return None
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return packed_images([(starts[i], ex) for i, ex in sorted(examples.items())])
+    placed = [(starts[i], ex) for i, ex in sorted(examples.items())]
+    out = packed_images(placed)
+    if spans := packed_image_spans(placed):  # host ints, for the prefill's SeqInfo
+        out[SPANS_KEY] = spans
+    if any(ex.positions_3d for ex in examples.values()):  # Qwen-VL: 3-D prompt positions
+        mine = {i: ex.positions_3d for i, ex in examples.items() if ex.positions_3d}
+        parts = [torch.tensor(mine[i]) if i in mine else torch.arange(n).expand(3, -1)
+                 for i, n in enumerate(lengths)]  # fmt: skip
+        out[MROPE_FIELD] = torch.cat(parts, dim=1).to(torch.int64)
+        # Decoding goes on from the prompt's largest position + 1, as transformers' rope_deltas.
+        out[OFFSETS_KEY] = tuple(
+            max(map(max, mine[i])) + 1 - n if i in mine else 0 for i, n in enumerate(lengths)
+        )
+    return out

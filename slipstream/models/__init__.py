@@ -39,6 +39,9 @@ FAMILIES: dict[str, str] = {
 IMPLEMENTATIONS = ("auto", "native", "transformers")  # `model.implementation`
 GENERIC = "generic"  # the family module for transformers' own modeling code
 GENERIC_VISION = "generic_vision"  # and for its image-text models (AutoModelForImageTextToText)
+# Native text families of image-text checkpoints whose image side runs on the generic image-text
+# path: `implementation: transformers` (and `auto` with image rows: train/setup.py) takes it.
+IMAGE_TEXT_ON_GENERIC = ("gemma3",)
 
 
 def choose_family(
@@ -70,6 +73,8 @@ def choose_family(
         return native, "native family, as model.implementation=native asks"
     if native is not None and implementation == "auto":
         return native, f"native family slipstream/models/{native}.py"
+    if model_type in IMAGE_TEXT_ON_GENERIC and "vision_config" in (hf or {}):
+        return GENERIC_VISION, f"transformers' image-text modeling code for {model_type!r}"
     from slipstream.models.generic_types import builds_image_text, transformers_builds
 
     builds, version = transformers_builds(model_type)
@@ -93,6 +98,15 @@ def choose_family(
     if native is not None:
         return GENERIC, "transformers' modeling code, as model.implementation=transformers asks"
     return GENERIC, f"transformers' modeling code: no native family for {model_type!r}"
+
+
+def image_text_implementation(hf: dict | None) -> str:
+    """`model.implementation` for image+text work on a checkpoint (config.json `hf`):
+    "transformers" where its native family is text only and the generic image-text path runs
+    its image side (IMAGE_TEXT_ON_GENERIC, with a vision config), else "auto"."""
+    hf = hf or {}
+    on_generic = hf.get("model_type") in IMAGE_TEXT_ON_GENERIC and "vision_config" in hf
+    return "transformers" if on_generic else "auto"
 
 
 def check_model_type(model_type: str | None, source: str = "config.json", *args) -> str:

@@ -159,24 +159,28 @@ def _implementations(config) -> dict[str, str]:
 
     from slipstream.models.generic_types import image_text_class
 
+    subs = getattr(config, "sub_configs", {}) or {}
+    # An image-text model (one a causal LM too, Gemma 3, when it has a vision config): the
+    # vision side keeps SDPA (images are not packed sequences).
+    vision = image_text_class(config) is not None and "vision_config" in subs
+    per_config = {n: ATTENTION if n == "text_config" else "sdpa" for n in subs}
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        if image_text_class(config) is not None:  # the vision side keeps SDPA
-            subs = getattr(config, "sub_configs", {}) or {}
-            per_config = {n: ATTENTION if n == "text_config" else "sdpa" for n in subs}
-            return {"attn_implementation": per_config}
-        return {"attn_implementation": ATTENTION}
-    return implementations(model_class)
+        return {"attn_implementation": per_config if vision else ATTENTION}
+    kwargs = implementations(model_class)
+    return {**kwargs, "attn_implementation": per_config} if vision else kwargs
 
 
 def decoder_of(hf_model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     """(the backbone, its decoder layers): the first ModuleList of transformers'
     GradientCheckpointingLayers, and the module holding it; in an image-text model, of its
-    language model (the vision tower's layers come first)."""
+    language model (`language_model`, Idefics3's `text_model`: the vision tower's layers come
+    first)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    language = getattr(getattr(hf_model, "model", None), "language_model", None)
+    inner = getattr(hf_model, "model", None)
+    language = getattr(inner, "language_model", None) or getattr(inner, "text_model", None)
     for module in (language or hf_model).modules():
         for child in module.children():
             layers = isinstance(child, nn.ModuleList) and len(child) > 0

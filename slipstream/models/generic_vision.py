@@ -26,10 +26,10 @@ from slipstream.models.weights import WeightMap
 
 VISION_PARTS = {
     "tower": ("vision_tower", "vision_model", "visual"),
-    "projector": ("multi_modal_projector", "merger"),  # Qwen-VL's merger sits in its tower
+    "projector": ("multi_modal_projector", "merger", "connector"),  # Qwen-VL's merger: in its tower
 }
 MROPE_FIELD = "mrope_position_ids"  # data/vision.py: the batch's (3, T) Qwen-VL positions
-DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")  # features injected into decoder layers: refused
+CROPS = ("idefics3", "smolvlm")  # pixel inputs (images, crops, C, H, W): one crop an image
 
 
 def vision_prefixes(hf_model: nn.Module) -> dict[str, str]:
@@ -48,28 +48,46 @@ class GenericImageTextLM(GenericCausalLM):
     image features into their rows; `hidden_states`, `loss` and `forward` take `images`."""
 
     def __init__(self, cfg: Any, hf_model: nn.Module) -> None:
-        if cfg.model_type in DEEPSTACK:
-            raise ValueError(
-                f"model_type {cfg.model_type!r}: its vision features also enter the language "
-                "model's layers (deepstack), which slipstream's embedding stage does not do yet"
-            )
         super().__init__(cfg, hf_model)
         self.vision = vision_prefixes(hf_model)
         # LoRA stays off the vision side unless vision.train asks (train/vision.py).
         self.no_lora_prefixes = tuple(f"{p}." for p in self.vision.values())
+        # Qwen3-VL's deepstack: the tower's intermediate features are added to the image rows
+        # after the first decoder layers, as transformers' `_deepstack_process` does (by a
+        # boolean mask there, by `index_add` over the host-built rows here).
+        self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        visual = getattr(getattr(hf_model, "model", None), "visual", None)
+        depth = len(getattr(visual, "deepstack_visual_indexes", None) or ())
+        if depth:
+            layers = hf_model.model.language_model.layers
+            for k in range(depth):
+                layers[k].register_forward_hook(self._deepstack_hook(k))
+
+    def _deepstack_hook(self, k: int):
+        def hook(module: nn.Module, args: Any, out: Any) -> Any:
+            if self._deepstack is None:
+                return out
+            rows_P, feats = self._deepstack
+            h = out[0] if isinstance(out, tuple) else out
+            h = h.index_add(1, rows_P, feats[k][None].to(h.dtype))
+            return (h, *out[1:]) if isinstance(out, tuple) else h
+
+        return hook
 
     def embed(self, input_ids_T: torch.Tensor, images: dict[str, torch.Tensor] | None = None):
         """(T, D) input embeddings, image features in the rows `images["image_rows"]` names."""
         x_TD = self.input_embeddings()(input_ids_T)
         if images is None:
             return x_TD
-        feats_PD = self.image_features(images)
+        feats_PD, deepstack = self._image_features(images)
         rows_P = images["image_rows"]
         if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
             raise ValueError(
                 f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
                 "image tokens; the data's image processor does not match this model"
             )
+        # Read by the deepstack hooks of this forward (and of its recompute in backward).
+        self._deepstack = (rows_P, deepstack) if deepstack else None
         return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
 
     def _backbone_out(self, input_ids_T, seq, images=None, **kwargs):
@@ -77,20 +95,36 @@ class GenericImageTextLM(GenericCausalLM):
         positions (`images["mrope_position_ids"]`, (3, T)) in place of the 1-D ones."""
         if images is not None and MROPE_FIELD in images:
             kwargs["position_ids"] = images[MROPE_FIELD][:, None, :]
+        if images is None:
+            self._deepstack = None  # a text batch (or a decode step): no deepstack rows
         return super()._backbone_out(input_ids_T, seq, images, **kwargs)
 
     def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
         """(P, D): the tower and projector over every image of the batch, in order."""
+        return self._image_features(images)[0]
+
+    def _image_features(self, images: dict[str, torch.Tensor]):
+        """((P, D) features, [(P, D)] deepstack features per early layer, or [])."""
         kwargs = {k: v for k, v in images.items() if k not in ("image_rows", MROPE_FIELD)}
         pixels = kwargs.pop("pixel_values")
+        if self.config.model_type in CROPS:  # every crop its own "batch row" of one image
+            pixels = pixels[:, None]
+            if "pixel_attention_mask" in kwargs:
+                kwargs["pixel_attention_mask"] = kwargs["pixel_attention_mask"][:, None]
         dtype = next(self.hf.parameters()).dtype
         out = self.hf.model.get_image_features(
             pixel_values=pixels.to(dtype), return_dict=True, **kwargs
         )
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if isinstance(feats, (list, tuple)):
-            feats = torch.cat(list(feats))
-        return feats.reshape(-1, feats.shape[-1])
+        deepstack = [_flat(f) for f in getattr(out, "deepstack_features", None) or ()]
+        return _flat(feats), deepstack
+
+
+def _flat(feats: Any) -> torch.Tensor:
+    """(P, D) of a tower's output: per-image tensors or a (N, tokens, D) batch."""
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat(list(feats))
+    return feats.reshape(-1, feats.shape[-1])
 
 
 def _auto_class():

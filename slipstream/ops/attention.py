@@ -22,6 +22,7 @@ Shapes: T tokens, H query heads, G kv heads, Dh head dim.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import itertools
@@ -65,16 +66,52 @@ def attend(
     slipstream.generation.cache) stores this layer's keys and values and attends over its
     cache, with the same window, sinks and scale the family passed. Under sequence
     parallelism `seq.shard` (ops/ulysses.py) attends over the whole batch by all-to-alls.
+    `seq.image_spans` (Gemma 3's images): those rows see their whole span (`with_image_spans`).
     """
+    if seq.image_spans and (sinks is not None or softcap is not None or seq.shard is not None):
+        raise ValueError(
+            "bidirectional image spans with attention sinks, softcapping or sequence "
+            "parallelism: not supported"
+        )
     if seq.kv is not None:
         if softcap is not None:
             raise ValueError("attention softcapping is not supported by the KV-cache engine")
-        return seq.kv.attend(q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale)
-    if seq.shard is not None:  # sequence parallelism: ops/ulysses.py
+        out = seq.kv.attend(q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale)
+    elif seq.shard is not None:  # sequence parallelism: ops/ulysses.py
         return seq.shard.attend(
             q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale, softcap=softcap
         )
-    return attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
+    else:
+        out = attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
+    if seq.image_spans:  # a prefill's or a training batch's own keys: the spans index them
+        out = with_image_spans(out, q_THD, k_TGD, v_TGD, seq, window, scale)
+    return out
+
+
+def with_image_spans(out_THD, q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, scale=None):
+    """`out_THD` (causal attention) with the rows of each of `seq.image_spans` recomputed:
+    a span's queries see every key of their sequence up to the span's end (the later keys of
+    the span too), within `window` behind each query: transformers' Gemma 3 mask,
+    OR(causal, same image) and, on sliding layers, AND(window, that). Host ints only: the
+    spans and the sequence starts come from the collator (no sync)."""
+    starts = list(itertools.accumulate(seq.lengths, initial=0))
+    gqa = k_TGD.shape[1] != q_THD.shape[1]
+    pieces, done = [], 0
+    for s, e in seq.image_spans:
+        first = starts[bisect.bisect_right(starts, s) - 1]  # the sequence holding the span
+        lo = first if window is None else max(first, s - window + 1)
+        mask = None
+        if window is not None:  # key j visible to query i when j > i - window
+            q_pos = torch.arange(s, e, device=q_THD.device)[:, None]
+            k_pos = torch.arange(lo, e, device=q_THD.device)[None, :]
+            mask = k_pos > q_pos - window
+        o = F.scaled_dot_product_attention(
+            q_THD[s:e].transpose(0, 1)[None], k_TGD[lo:e].transpose(0, 1)[None],
+            v_TGD[lo:e].transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
+        pieces += [out_THD[done:s], o[0].transpose(0, 1).to(out_THD.dtype)]
+        done = e
+    return torch.cat([*pieces, out_THD[done:]])
 
 
 def attend_packed(

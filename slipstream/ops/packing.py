@@ -29,6 +29,9 @@ class SeqInfo:
     max_seqlen: longest sequence, a Python int (no sync to read it).
     position_ids: (T,) int64 position of each token inside its own sequence.
     seq_ids: (T,) int32 index of the sequence each token belongs to.
+    image_spans: host ((start, end), ...) flat token ranges (an image's placeholder rows,
+    Gemma 3) whose queries also see the span's later keys: bidirectional within the span,
+    causal elsewhere (ops/attention.py `attend`). Empty for text.
     """
 
     lengths: tuple[int, ...]
@@ -45,6 +48,7 @@ class SeqInfo:
     # Sequence parallelism only: this rank's shard of a batch split over ranks
     # (slipstream.ops.ulysses.SeqShard), which `attend` hands each layer's q, k, v to.
     shard: Any = field(default=None, repr=False)
+    image_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -99,9 +103,12 @@ class SeqInfo:
             return self
         if self._host is None:  # not built on the host: rebuild from the host lengths
             assert self.shard is None, "a shard's SeqInfo is built on the host"
-            return SeqInfo.from_lengths(self.lengths, device)
+            moved = SeqInfo.from_lengths(self.lengths, device)
+            moved.image_spans = self.image_spans
+            return moved
         moved = SeqInfo._from_host(self.lengths, self._host, device)
         moved.shard = None if self.shard is None else self.shard.to(device)
+        moved.image_spans = self.image_spans
         return moved
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:

@@ -41,6 +41,7 @@ from slipstream.train.setup import (
     add_tokens,
     build_data,
     build_model,
+    image_implementation,
     report_dict,
     save_result,
     seed_everything,
@@ -127,6 +128,12 @@ def prepare_run(cfg: RunConfig, *, model: Any = None, tokenizer: Any = None) -> 
     set_chat_template(tokenizer, cfg.data.chat_template)
     add_tokens(tokenizer, cfg.model.add_tokens)
     data = build_data(cfg, tokenizer, objective)
+    if model is None and (implementation := image_implementation(cfg, data.train)):
+        dist.print_main(
+            "slipstream: image rows: the image side trains on transformers' image-text code "
+            "(model.implementation=transformers; the native family is text only)"
+        )
+        cfg.model.implementation = implementation  # later loads (saving, export) take it too
     eval_tasks = EvalTasks.of(t)  # lm-eval's tasks found before the weights load
     if device.type == "cpu":  # hyperthread siblings share a core's matrix unit
         from slipstream.cpu import set_threads

@@ -111,6 +111,20 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
     return examples, report
 
 
+def image_implementation(cfg: RunConfig, examples: list) -> str | None:
+    """ "transformers" when the data holds image rows and `model.implementation: auto` would
+    take a native family that trains text only while the generic image-text path trains the
+    checkpoint's image side (models IMAGE_TEXT_ON_GENERIC: Gemma 3); else None."""
+    from slipstream.checkpoint.model_type import model_config
+    from slipstream.data.vision import ImageExample
+    from slipstream.models import image_text_implementation
+
+    if cfg.model.implementation != "auto" or not any(isinstance(e, ImageExample) for e in examples):
+        return None
+    implementation = image_text_implementation(model_config(cfg.model.path))
+    return None if implementation == "auto" else implementation
+
+
 def build_model(
     cfg: RunConfig, device: torch.device, tokenizer: Any = None, plan: Any = None
 ) -> torch.nn.Module:

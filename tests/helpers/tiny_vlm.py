@@ -35,6 +35,14 @@ TEXT = dict(
 
 
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}  # fmt: skip
+IDEFICS3_TOKENS = [
+    "<image>", "<fake_token_around_image>", "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
+]  # fmt: skip
 
 
 def random_image(height: int, width: int, seed: int = 0):
@@ -53,12 +61,15 @@ def write_images(folder: Path, sizes: list[tuple[int, int]]) -> list[str]:
     return names
 
 
-def _tokenizer(out: Path, tokens: list[str], placeholder: str):
+def _tokenizer(out: Path, tokens: list[str], placeholder: str, named: dict | None = None):
+    """`named`: model-specific special tokens the processor reads as attributes
+    (`tokenizer.boi_token`: Gemma 3)."""
     from transformers import AutoTokenizer
 
     save_test_tokenizer(out, "chatml", vocab_size=300)
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok = AutoTokenizer.from_pretrained(out, **({"extra_special_tokens": named} if named else {}))
+    if tokens:
+        tok.add_special_tokens({"additional_special_tokens": tokens})
     tok.chat_template = TEMPLATE.replace("PLACEHOLDER", placeholder)
     return tok
 
@@ -110,6 +121,61 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             text_config=transformers.MistralConfig(vocab_size=len(tok), **TEXT).to_dict(),
             image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
             vision_feature_layer=-1,
+        )  # fmt: skip
+    elif kind == "qwen3_vl":  # deepstack: tower features also enter the first decoder layers
+        tok = _tokenizer(out, QWEN_TOKENS, "".join(QWEN_TOKENS))
+        processor = transformers.Qwen2VLImageProcessor(
+            min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2
+        )
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                "mrope_interleaved": True}  # fmt: skip
+        vision = dict(
+            depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+            patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+        )  # fmt: skip
+        config = transformers.Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tok), rope_parameters=rope, **TEXT),
+            vision_config=vision,
+            image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+            vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        )
+    elif kind == "gemma3":  # a SigLIP tower pooled to 4 tokens an image, seen bidirectionally
+        tok = _tokenizer(out, [], GEMMA3_TOKENS["boi_token"], GEMMA3_TOKENS)
+        tok.save_pretrained(out)  # the processor reads the named tokens from the saved files
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        tok.chat_template = TEMPLATE.replace("PLACEHOLDER", GEMMA3_TOKENS["boi_token"])
+        image = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
+        processor = transformers.Gemma3Processor(
+            image_processor=image, tokenizer=tok, image_seq_length=4,
+            chat_template=tok.chat_template,
+        )  # fmt: skip
+        text = dict(
+            TEXT, vocab_size=len(tok), query_pre_attn_scalar=12, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        config = transformers.Gemma3Config(
+            text_config=text,
+            vision_config=dict(VISION, image_size=28, patch_size=7),
+            mm_tokens_per_image=4,
+            boi_token_index=tok.boi_token_id,
+            eoi_token_index=tok.eoi_token_id,
+            image_token_index=tok.image_token_id,
+        )
+    elif kind == "idefics3":  # images split into crops + a global view, 4 tokens each
+        tok = _tokenizer(out, IDEFICS3_TOKENS, "<image>")
+        image = transformers.Idefics3ImageProcessor(
+            size={"longest_edge": 56}, max_image_size={"longest_edge": 28}
+        )
+        processor = transformers.Idefics3Processor(
+            image_processor=image, tokenizer=tok, image_seq_len=4,
+            chat_template=tok.chat_template,
+        )  # fmt: skip
+        vision = transformers.Idefics3VisionConfig(**VISION, image_size=28, patch_size=7)
+        config = transformers.Idefics3Config(
+            vision_config=vision.to_dict(),
+            text_config=transformers.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+            image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
         )  # fmt: skip
     else:
         raise ValueError(kind)

@@ -1,0 +1,222 @@
+"""Three more image-text types on the generic path, each against transformers + peft on the
+same processed conversations (tiny random models, processors built offline:
+tests/helpers/tiny_vlm.py):
+
+- Qwen3-VL (`qwen3_vl`): 3-D mRoPE from the host, and deepstack: the tower's intermediate
+  features added to the image rows after the first decoder layers (forward hooks, index_add);
+- Gemma 3 (`gemma3`, image+text through the generic path; its native family stays text-only):
+  each image's rows attend to one another (SeqInfo.image_spans), causal elsewhere, on sliding
+  and full layers;
+- Idefics3 (`idefics3`): images split into crops plus a global view, each crop its own row of
+  the tower's batch.
+
+Per type: loss and every LoRA gradient equal transformers + peft (1e-4 rel) on a micro-batch
+of several images of different sizes and a text row; packed equals each example alone; greedy
+generation with an image equals transformers' `generate`; no host sync in a training step's
+model code outside transformers' vision tower (the tower's own, counted, are in
+docs/vision.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers.models import randomise_lora_b
+from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_image, vlm_folder
+from peft import PeftModel
+
+import slipstream
+from slipstream.data import collate, tokenize_rows
+from slipstream.data.vision import ImageExample, ImageProcessing, image_inputs
+
+KINDS = ["qwen3_vl", "gemma3", "idefics3"]
+SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
+
+
+def _row(sizes, reply, k):
+    images = [random_image(h, w, seed=h + w + k) for h, w in sizes]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Describe it."}]
+    turns = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+    return {"messages": turns, "images": images}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def vlm(request, tmp_path_factory):
+    kind = request.param
+    folder = vlm_folder(tmp_path_factory.mktemp(kind), kind)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    text = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    rows = [_row(s, r, k) for k, (s, r) in enumerate(zip(SIZES, ["Wide.", "Two.", "Three."]))]
+    examples, report = tokenize_rows([*rows, text], tok, max_tokens=1024, images=side)
+    assert report.kept == 4
+    return kind, folder, tok, side, examples
+
+
+def _load(kind, folder):
+    # Gemma 3's native family is text only: its image side takes transformers' code.
+    how = {"implementation": "transformers"} if kind == "gemma3" else {}
+    return slipstream.load_model(folder, **how)
+
+
+def _hf(folder):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_inputs(kind, ex, side):
+    """transformers' inputs for one example, as its processor would give them."""
+    ids = torch.tensor([ex.input_ids])
+    if not isinstance(ex, ImageExample):
+        return {"input_ids": ids}
+    types = (ids == side.image_token_id).int()
+    if kind == "qwen3_vl":
+        return {"input_ids": ids, "mm_token_type_ids": types, **ex.images}
+    if kind == "gemma3":  # token_type_ids: transformers' bidirectional mask over each image
+        return {"input_ids": ids, "token_type_ids": types, **ex.images}
+    return {"input_ids": ids, **{k: v[None] for k, v in ex.images.items()}}  # (1, crops, ...)
+
+
+def test_image_tokens_and_inputs(vlm):
+    kind, folder, _, side, examples = vlm
+    image_rows = [ex for ex in examples if isinstance(ex, ImageExample)]
+    counts = [n for ex in image_rows for n in ex.image_tokens]
+    assert len(counts) == 6 and sum(len(ex.feature_rows()) for ex in image_rows) == sum(counts)
+    if kind == "gemma3":  # 4 pooled tokens an image, each image one bidirectional span
+        assert counts == [4] * 6 and all(ex.bidirectional for ex in image_rows)
+        assert [b - a for a, b in image_rows[1].image_spans()] == [4, 4]
+        b = collate(examples)
+        assert len(b.seq.image_spans) == 6 and b.seq.to("cpu").image_spans == b.seq.image_spans
+    elif kind == "idefics3":  # crops and a global view: counts differ with the image's shape
+        assert len(set(counts)) > 1 and side.processor is not None
+        processor = transformers.AutoProcessor.from_pretrained(folder)
+        row = _row(SIZES[2], "Three.", 2)
+        text = processor.apply_chat_template(row["messages"], tokenize=False)
+        ref = processor(text=[text], images=[row["images"]], return_tensors="pt")
+        assert image_rows[2].input_ids == ref["input_ids"][0].tolist()
+        crops = ref["pixel_attention_mask"][0].flatten(1).any(1)  # the real crops
+        ours = image_rows[2].images["pixel_values"]
+        torch.testing.assert_close(ours, ref["pixel_values"][0][crops][:, :, : ours.shape[-2]])
+    else:  # Qwen3-VL: grids of different sizes, 3-D positions equal transformers'
+        assert len(set(counts)) > 1 and side.processor is None
+        hf = _hf(folder)
+        for ex in image_rows:
+            inputs = _hf_inputs(kind, ex, side)
+            expected, _ = hf.model.get_rope_index(
+                inputs["input_ids"], inputs["mm_token_type_ids"],
+                image_grid_thw=ex.images["image_grid_thw"],
+            )  # fmt: skip
+            assert ex.positions_3d == expected[:, 0].tolist()
+
+
+def test_loss_lora_grads_and_packing_equal_transformers(vlm, tmp_path):
+    kind, folder, _, side, examples = vlm
+    ours = _load(kind, folder)
+    assert type(ours).__name__ == "GenericImageTextLM", ours.load_path
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    vision = tuple(ours.vision.values())
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    assert wrapped and not [n for n in wrapped if n.startswith(vision)]
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    b = collate(examples)
+    images = image_inputs(b.fields)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=images)  # fmt: skip
+    loss.backward()
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
+    ref = peft_summed_loss(peft_model, examples, lambda ex: _hf_inputs(kind, ex, side))
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    assert_lora_grads_match(ours, peft_model)
+    with torch.no_grad():
+        packed = ours(b.input_ids, b.seq, images=images)
+        alone = [ours(c.input_ids, c.seq, images=image_inputs(c.fields))
+                 for c in (collate([ex]) for ex in examples)]  # fmt: skip
+        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        ex = examples[1]  # two images: transformers' logits on it, and what the images change
+        got = alone[1]
+        expected = peft_model(**_hf_inputs(kind, ex, side)).logits[0]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        c = collate([ex])
+        if kind == "qwen3_vl":  # without the deepstack rows the logits differ
+            real = ours._image_features
+            ours._image_features = lambda im: (real(im)[0], [])
+            plain = ours(c.input_ids, c.seq, images=image_inputs(c.fields))
+            del ours._image_features
+        elif kind == "gemma3":  # causal image rows (no spans) give other logits
+            c.seq.image_spans = ()
+            plain = ours(c.input_ids, c.seq, images=image_inputs(c.fields))
+        else:  # images matter
+            plain = ours(c.input_ids, c.seq)
+        assert (plain - got).abs().max() > 1e-4
+
+
+def test_no_host_sync_in_a_training_step_outside_the_tower(vlm):
+    kind, folder, _, _, examples = vlm
+    model = _load(kind, folder)
+    slipstream.apply_lora(model, rank=4, alpha=8)
+    batch = collate(examples).to("cpu")
+    images = image_inputs(batch.fields)
+    with slipstream.count_syncs() as syncs:
+        features = model._image_features(images)  # transformers' tower: counted apart
+    model._image_features = lambda _: features
+    with slipstream.count_syncs() as rest:
+        loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum",
+                          label_positions=batch.label_positions, images=images)  # fmt: skip
+        loss.backward()
+    assert rest.total == 0, rest
+    if kind == "gemma3":  # SigLIP: none in the tower either
+        assert syncs.total == 0, syncs
+
+
+def test_greedy_generation_with_an_image_equals_transformers_generate(vlm):
+    kind, folder, tok, side, _ = vlm
+    model = _load(kind, folder)
+    prompts = [
+        [{"role": "user", "content": [{"type": "image", "image": random_image(40, 60)},
+                                      {"type": "text", "text": "What is it?"}]}],
+        [{"role": "user", "content": "Hello there"}],
+        [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                      {"type": "image", "image": random_image(30, 20, 1)},
+                                      {"type": "image", "image": random_image(9, 70, 2)}]}],
+    ]  # fmt: skip
+    got = slipstream.generate(model, prompts, tokenizer=tok, max_new_tokens=6, stop=[])
+    hf = _hf(folder)
+    for c, messages in zip(got, prompts):
+        inputs = _prompt_inputs(kind, folder, tok, side, messages)
+        out = hf.generate(**inputs, max_new_tokens=6, do_sample=False)
+        expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert c.token_ids == expected[: len(c.token_ids)] and c.token_ids
+
+
+def _prompt_inputs(kind, folder, tok, side, messages):
+    """transformers' generate inputs for a chat prompt: its processor's, or (Qwen3-VL, whose
+    processor class needs torchvision) our ids, tested equal to its rule elsewhere."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    content = messages[0]["content"]
+    images = [p["image"] for p in content if isinstance(p, dict) and p["type"] == "image"]
+    if kind == "qwen3_vl":
+        if not images:
+            return {"input_ids": tok(text, add_special_tokens=False, return_tensors="pt").input_ids}
+        return _hf_inputs(kind, side.encode_prompt(messages, tok), side)
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    inputs = processor(text=[text], images=[images] if images else None,
+                       add_special_tokens=False, return_tensors="pt")  # fmt: skip
+    inputs.pop("attention_mask", None)
+    return inputs
+
+
+@pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
+def test_gemma3_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
+    from slipstream.config import load_config
+    from slipstream.train.setup import image_implementation
+
+    _, folder, _, _, examples = vlm
+    cfg = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o"])
+    assert image_implementation(cfg, examples) == "transformers"
+    assert image_implementation(cfg, examples[-1:]) is None  # text rows: the native family
+    assert type(slipstream.load_model(folder)).__name__ != "GenericImageTextLM"
+    forced = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o",
+                                "model.implementation=native"])  # fmt: skip
+    assert image_implementation(forced, examples) is None
