@@ -89,18 +89,31 @@ def _rel(a, b):
 def test_packed_logits_and_lora_grads_equal_per_sequence(tmp_path, quiet, model_type):
     """Packed logits, loss and LoRA gradients equal transformers' + peft's per sequence,
     through the adapter files (so peft loads ours unchanged, under transformers' names)."""
+    _assert_adapter_equals_peft(tmp_path, model_type)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "gemma2", "lfm2"])
+def test_dora_equals_peft_per_sequence(tmp_path, quiet, model_type):
+    """DoRA (a trained magnitude per output row) on transformers' modules: packed logits,
+    loss and every factor's and magnitude's gradient equal peft's DoRA per sequence."""
+    _assert_adapter_equals_peft(tmp_path, model_type, use_dora=True)
+
+
+def _assert_adapter_equals_peft(tmp_path, model_type, use_dora=False):
     from peft import PeftModel
 
     ref, ours = _pair(tmp_path, model_type)
     ids, labels, seq = _batch()
     with torch.no_grad():
         assert _rel(ours(ids, seq), _per_sequence(ref.eval(), ids)) < 1e-4
-    apply_lora(ours, rank=4, alpha=8)
+    apply_lora(ours, rank=4, alpha=8, use_dora=use_dora)
     torch.manual_seed(2)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
+            if "magnitude" in name:  # DoRA: off the weight norm it starts at
+                p.mul_(1 + 0.1 * torch.randn_like(p))
     save_adapter(ours, tmp_path / "adapter")
     peft_model = PeftModel.from_pretrained(ref, tmp_path / "adapter", is_trainable=True)
     logits = _per_sequence(peft_model, ids)
@@ -111,9 +124,13 @@ def test_packed_logits_and_lora_grads_equal_per_sequence(tmp_path, quiet, model_
     loss = ours.loss(ids, labels, seq, reduction="sum", label_positions=positions)
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item())
-    theirs = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters()}
+    theirs = {
+        n.replace(".default", "").replace("magnitude_vector.weight", "magnitude_vector"): p.grad
+        for n, p in peft_model.named_parameters()
+    }
     grads = lora_grads(ours)  # stacked experts' factors (MoE types) in peft's layout
     assert grads and set(grads) <= set(theirs)
+    assert not use_dora or any("magnitude" in n for n in grads)
     for name, grad in grads.items():
         assert _rel(grad, theirs[name]) < 1e-4, name
 
@@ -158,20 +175,19 @@ def test_state_never_crosses_a_packed_boundary(tmp_path, quiet):
     assert generic_hooks.SEQ_KWARG == "slipstream_seq"
 
 
-ATTENTION_FREE = ["mamba"] + [
-    pytest.param(t, marks=pytest.mark.slow) for t in ("falcon_mamba", "rwkv")
+FULL = ["olmo2", "mamba"] + [
+    pytest.param(t, marks=pytest.mark.slow) for t in ("gemma2", "lfm2", "falcon_mamba", "rwkv")
 ]
 
 
-@pytest.mark.parametrize("model_type", ATTENTION_FREE)
-def test_attention_free_models_run_each_sequence_alone(tmp_path, quiet, model_type):
-    """Mamba's and RWKV's backbones drop the forward's kwargs: a pre-hook on each decoder
-    layer hands it the batch's SeqInfo, so its mixers still run per sequence, in the
-    recompute of a checkpointed layer too: logits, loss and every gradient of full
-    fine-tuning equal transformers' one sequence at a time. (Their linears all sit in the
-    mixers, which all-linear LoRA leaves out.)"""
+@pytest.mark.parametrize("model_type", FULL)
+def test_full_fine_tuning_equals_transformers_per_sequence(tmp_path, quiet, model_type):
+    """Full fine-tuning under recompute checkpointing: packed logits, loss and every
+    parameter's gradient equal transformers' one sequence at a time. Mamba's and RWKV's
+    backbones drop the forward's kwargs: a pre-hook on each decoder layer hands it the
+    batch's SeqInfo, so its mixers still run per sequence, in the recompute too. (Their
+    linears all sit in the mixers, which all-linear LoRA leaves out: full is their path.)"""
     ref, ours = _pair(tmp_path, model_type)
-    assert ours.per_sequence
     apply_checkpointing(ours, "recompute")
     ids, labels, seq = _batch()
     with torch.no_grad():
@@ -420,3 +436,33 @@ def test_preview_says_which_path_and_why(tmp_path, quiet, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "implementation=native but model_type 'olmo2'" in err[0]
+
+
+def test_a_full_fine_tuning_run_saves_what_transformers_loads(tmp_path, quiet):
+    """A 2-step full fine-tuning run of OLMo 2 (no native family) through the trainer: the
+    saved checkpoint loads in transformers with our model's logits, and the weights moved."""
+    from helpers.runs import chat_rows, run_config
+    from helpers.tokenizers import save_test_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.config import config_from_dict
+    from slipstream.train.loop import train
+
+    base = tmp_path / "olmo2"
+    save_test_tokenizer(base, "chatml", vocab_size=300)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("olmo2", vocab_size=300)).save_pretrained(base)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(16)))
+    raw = run_config((base, data), tmp_path / "out", steps=2)
+    assert raw["train"]["finetune"] == "full"
+    assert train(config_from_dict(raw))["status"] == "completed"
+    ids = torch.tensor([5, 17, 42, 99, 3, 250, 7, 8])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    ours = load_model(tmp_path / "out").eval()
+    before = AutoModelForCausalLM.from_pretrained(base).float().eval()
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+        assert _rel(ours(ids, SeqInfo.from_lengths([len(ids)])), want) < 1e-5
+        assert _rel(before(input_ids=ids[None]).logits[0], want) > 1e-3
+    assert type(ours).__name__ == "GenericCausalLM"
