@@ -167,3 +167,73 @@ def test_fla_path_equals_the_torch_path_on_cuda():
     assert _rel(o, o_ref) < 1e-3
     for got, want in zip(grads, _grads(o_ref, inputs), strict=True):
         assert _rel(got, want) < 1e-3
+
+
+def _fake_fla(monkeypatch, rule):
+    """Install `rule` as fla.ops.gated_delta_rule.chunk_gated_delta_rule (None: fla absent)."""
+    import sys
+    import types
+
+    from slipstream.ops.gated_delta import fla_chunk_rule
+
+    if rule is None:
+        monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+    else:
+        for name in ("fla", "fla.ops"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        module = types.ModuleType("fla.ops.gated_delta_rule")
+        module.chunk_gated_delta_rule = rule
+        monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    fla_chunk_rule.cache_clear()  # detection is cached: detect again
+    return fla_chunk_rule
+
+
+@pytest.fixture
+def fresh_detection():
+    from slipstream.ops.gated_delta import fla_chunk_rule
+
+    yield
+    fla_chunk_rule.cache_clear()  # the next caller detects the real installation again
+
+
+def test_without_fla_the_torch_path_runs(monkeypatch, fresh_detection):
+    """fla absent (as on this machine), or an fla whose kernel takes no cu_seqlens: no fla
+    rule, and `gated_delta_rule` is the torch chunked form."""
+    from slipstream.ops.gated_delta import gated_delta_rule
+
+    assert _fake_fla(monkeypatch, None)() is None
+
+    def no_varlen(q, k, v, g, beta, initial_state=None, output_final_state=False):
+        raise AssertionError("a kernel without cu_seqlens must not be called")
+
+    assert _fake_fla(monkeypatch, no_varlen)() is None
+    seq = SeqInfo.from_lengths(LENGTHS)
+    inputs = [x.detach() for x in _inputs(sum(LENGTHS), seed=7)]
+    assert _rel(gated_delta_rule(*inputs, seq), recurrence(*inputs, LENGTHS)[0]) < 1e-5
+
+
+def test_fla_gets_the_packed_batch_as_one_row_with_cu_seqlens(monkeypatch, fresh_detection):
+    """A stand-in for fla's varlen kernel (the per-token recurrence over its cu_seqlens, in
+    fla's (1, T, H, K) layout): what `fla_gated_delta` passes it and makes of its output equals
+    the torch chunked form, final states included; the host cu_seqlens come along."""
+    from slipstream.ops.gated_delta import fla_gated_delta
+
+    calls = []
+
+    def rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             cu_seqlens=None, cu_seqlens_cpu=None, use_qk_l2norm_in_kernel=False):  # fmt: skip
+        assert q.shape[0] == 1 and use_qk_l2norm_in_kernel and initial_state is None
+        assert g.dtype == torch.float32 and cu_seqlens.dtype == torch.int64
+        assert not cu_seqlens_cpu.is_cuda and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+        calls.append(cu_seqlens.tolist())
+        o, final = recurrence(q[0], k[0], v[0], g[0], beta[0], cu_seqlens.diff().tolist())
+        return o[None], final if output_final_state else None
+
+    assert _fake_fla(monkeypatch, rule)() is rule
+    seq = SeqInfo.from_lengths(LENGTHS)
+    inputs = [x.detach() for x in _inputs(sum(LENGTHS), seed=8)]
+    o, final = fla_gated_delta(*inputs, seq, final=True)
+    assert calls == [[0, 13, 14, 35, 43, 48]]
+    o_ref, final_ref = chunk_gated_delta(*inputs, seq, chunk=4)
+    assert _rel(o, o_ref) < 1e-5 and _rel(final, final_ref) < 1e-5
+    assert fla_gated_delta(*inputs, seq)[1] is None

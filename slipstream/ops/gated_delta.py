@@ -16,7 +16,8 @@ Three implementations, one result:
   8 sequences of 512 tokens take 8 steps, not 64). Every index is built on the host from
   `seq.lengths`, once per SeqInfo (`seq.cached`).
 - `fla`'s `chunk_gated_delta_rule` with `cu_seqlens` on CUDA, when flash-linear-attention is
-  installed (feature-detected; `use_fla=False` forces the torch path).
+  installed (feature-detected once by `fla_chunk_rule`: absent, or a kernel without
+  `cu_seqlens`, and CUDA tensors take the torch form too).
 - `delta_step`: the recurrence for one token per row (generation's decode).
 
 `causal_conv` is the depthwise causal conv1d (kernel W) of the mixer's q/k/v channels as W
