@@ -106,11 +106,12 @@ def test_packed_equals_each_sequence_alone(hf_dir):
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("layers", [2, 8])
-def test_a_training_step_has_no_host_sync(tmp_path, layers):
+def test_a_training_step_has_no_host_sync(tmp_path, layers, variant):
     """LoRA step under offload (forced on CPU: the real schedule), 2 and 8 layers (8: 4 of
     them reuse K/V and take the recompute path, their K/V arriving with grad)."""
-    hf = make_hf("moe", layers)
+    hf = make_hf(variant, layers)
     hf.save_pretrained(tmp_path)
     ours = slipstream.load_model(tmp_path)
     slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
@@ -148,24 +149,27 @@ def test_offload_and_recompute_give_the_gradients_of_none(hf_dir):
 
 
 def test_greedy_generation_equals_transformers_generate(hf_dir):
-    """Mixed-length prompts, one stopping early (its row dropped from the cache while the
-    others decode on, K/V sharing reading the compacted source rows)."""
+    """Mixed-length prompts (9 + 10 tokens > the window of 4), one stopping early: with a
+    stop check every 2 tokens its row leaves the cache after 4 while the others decode on 6
+    more, the sharing layers reading their compacted source layers' K/V."""
     from slipstream.generation import engine
 
     hf, path = hf_dir
     ours = slipstream.load_model(path)
     prompts = [[5, 9, 11, 4], [7, 3, 8, 20, 21, 22, 40, 41, 42], [17]]
+    new = 10
 
     def reference(p, stop=None):
-        out = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+        out = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
                           eos_token_id=stop, pad_token_id=0)  # fmt: skip
         return out[0, len(p) :].tolist()
 
     stop = reference(prompts[0])[2]  # prompt 0 stops at its third token
     greedy = engine.Sampling(0.0, 1.0, 0)
-    rows = engine.run(ours, prompts, max_new_tokens=8, sampling=greedy, stop_ids=[stop])
-    assert len(rows[0].token_ids) <= 3
-    assert any(len(r.token_ids) == 8 for r in rows[1:])  # the others ran past it
+    rows = engine.run(ours, prompts, max_new_tokens=new, sampling=greedy, stop_ids=[stop],
+                      check_every=2)  # fmt: skip
+    assert rows[0].finish_reason == "stop" and len(rows[0].token_ids) <= 3
+    assert any(len(r.token_ids) == new for r in rows[1:])  # the others ran past its drop
     for row, p in zip(rows, prompts, strict=True):
         assert list(row.token_ids) == reference(p, stop)
 

@@ -109,11 +109,17 @@ def test_packed_equals_each_sequence_alone(checkpoint):
 
 @pytest.mark.parametrize("layers", [2, 8])
 def test_no_host_sync_in_a_training_step(tmp_path, layers):
+    """All-linear LoRA (expert LoRA on the MoE), each hybrid layer under offload (forced on
+    CPU: the real schedule); the second step is audited, after the first allocated the pool."""
+    from slipstream.memory.offload import apply_checkpointing
+
     for model_type in TYPES:
         _reference(model_type, layers=layers).save_pretrained(tmp_path / model_type)
         model = apply_lora(load_model(tmp_path / model_type), rank=2, alpha=4, targets="all-linear")
+        assert apply_checkpointing(model, "offload", force=True, min_offload_bytes=0) is not None
         ids, labels, seq = _batch()
         positions = (labels != -100).nonzero()[:, 0]
+        model.loss(ids, labels, seq, label_positions=positions).backward()
         with count_syncs() as syncs:
             model.loss(ids, labels, seq, label_positions=positions).backward()
         assert syncs.total == 0, (model_type, syncs)
