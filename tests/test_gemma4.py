@@ -189,8 +189,13 @@ def test_native_equals_generic_on_the_same_checkpoint(hf_dir):
     assert [(G, Dh) for G, Dh, _ in generic.kv_layout()] == [(2, 8), (1, 16)] * 2
 
 
-def test_lora_adapter_loads_in_peft_with_same_logits(hf_dir, tmp_path):
+def test_lora_adapter_loads_in_peft_with_same_logits_and_grads(hf_dir, tmp_path):
+    """All-linear LoRA (per-layer input gates, and expert LoRA on the MoE's stacked experts,
+    saved as peft's target_parameters) loads in peft: the same logits and every factor's
+    gradient (the experts' in peft's layout); loaded back into ours, the same logits."""
     from peft import PeftModel
+
+    from slipstream.peft.lora_experts import expert_lora_modules, expert_lora_tensors
 
     hf, path = hf_dir
     ours = slipstream.load_model(path)
@@ -199,14 +204,38 @@ def test_lora_adapter_loads_in_peft_with_same_logits(hf_dir, tmp_path):
     slipstream.save_adapter(ours, tmp_path)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert {"per_layer_input_gate", "q_proj", "down_proj"} <= set(cfg["target_modules"])
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    moe = ours.config.num_experts > 0
+    assert cfg.get("target_parameters") == (
+        ["experts.gate_up_proj", "experts.down_proj"] if moe else None
+    )
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path, is_trainable=True)
     ids = _ids(sum(LENGTHS), seed=6)
+    labels = shifted_labels(ids, LENGTHS)
+    keep = labels != -100
+    expected = per_sequence_logits(peft_model.eval(), ids, LENGTHS)
+    ref = torch.nn.functional.cross_entropy(expected[keep], labels[keep], reduction="sum")
+    ref.backward()
+    ours.loss(ids, labels, SeqInfo.from_lengths(LENGTHS), reduction="sum").backward()
     with torch.no_grad():
         got = ours(ids, SeqInfo.from_lengths(LENGTHS))
-        expected = per_sequence_logits(peft_model, ids, LENGTHS)
         base = per_sequence_logits(hf, ids, LENGTHS)
     assert _rel(got, expected) < 1e-4
     assert _rel(base, expected) > 1e-3  # the adapter changed the output
+    back = slipstream.load_adapter(slipstream.load_model(path), tmp_path)  # and back into ours
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, SeqInfo.from_lengths(LENGTHS)), got)
+    theirs = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters()}
+    grads = {f"base_model.model.{n}": p.grad for n, p in ours.named_parameters()
+             if "lora_" in n and ".experts." not in n}  # fmt: skip
+    with torch.no_grad():  # the expert factors' gradients, written out in peft's layout
+        for m in expert_lora_modules(ours).values():
+            for p in [*m.lora_A.values(), *m.lora_B.values()]:
+                p.copy_(p.grad)
+    grads.update(expert_lora_tensors(ours))
+    assert any(".experts." in k for k in grads) == moe
+    assert set(grads) == {n for n in theirs if "lora_" in n}
+    for name, grad in grads.items():
+        assert _rel(grad, theirs[name]) < 1e-4, name
 
 
 def test_export_merged_loads_in_transformers(hf_dir, tmp_path):

@@ -189,8 +189,8 @@ def test_user_errors(checkpoint, tmp_path):
         apply_lora(model, rank=4, alpha=8, targets=EXPERTS)
     save_adapter(model, tmp_path)
     dense = slipstream.load_model(path)
-    for block in moe_blocks(dense):
-        block.__class__ = torch.nn.Module  # a model without MoE blocks
+    for block in moe_blocks(dense):  # a model without MoE blocks or stacked experts
+        block.__class__ = block.experts.__class__ = torch.nn.Module
     with pytest.raises(ValueError, match="need a MoE model"):
         load_adapter(dense, tmp_path)
     with pytest.raises(ValueError, match=r"\['gate_up_proj'\] match no nn.Linear"):

@@ -70,22 +70,32 @@ class MoEBlock(nn.Module):
         return y_TD, router_stats(logits_TE, p)
 
 
+class StackedExperts(nn.Module):
+    """Base of native stacked experts run in the three steps expert LoRA wraps:
+    `gate_up(x_RD, plan)` -> h_RF, `activate(h_RF)` -> a_RI, `down(a_RI, plan)` -> y_RD."""
+
+    def forward(self, x_RD: torch.Tensor, plan) -> torch.Tensor:
+        return self.down(self.activate(self.gate_up(x_RD, plan)), plan)
+
+
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [m for m in model.modules() if isinstance(m, MoEBlock)]
 
 
 def expert_blocks(model: nn.Module) -> list[nn.Module]:
     """The MoE blocks whose `.experts` expert LoRA can wrap (wrapped ones too: the original is
-    then `.experts.base_layer`): native `MoEBlock`s, and on the generic path transformers'
+    then `.experts.base_layer`): native `MoEBlock`s, native modules holding `StackedExperts`
+    beside their own router (Gemma 4's decoder layer), and on the generic path transformers'
     blocks whose experts have the standard stacked layout (generic_hooks.is_standard_experts)."""
 
-    def standard(m: nn.Module) -> bool:
+    def stacked(m: nn.Module) -> bool:
         experts = getattr(m, "experts", None)
-        return isinstance(experts, nn.Module) and is_standard_experts(
-            getattr(experts, "base_layer", experts)
-        )
+        if not isinstance(experts, nn.Module):
+            return False
+        experts = getattr(experts, "base_layer", experts)
+        return isinstance(experts, StackedExperts) or is_standard_experts(experts)
 
-    return [m for m in model.modules() if isinstance(m, MoEBlock) or standard(m)]
+    return [m for m in model.modules() if isinstance(m, MoEBlock) or stacked(m)]
 
 
 def has_router_loss(model: nn.Module) -> bool:

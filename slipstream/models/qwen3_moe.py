@@ -38,6 +38,7 @@ from slipstream.models.common import base_config_from_hf as _base_config
 from slipstream.models.moe_block import (
     MoEBlock,
     Router,
+    StackedExperts,
     aux_loss_coef_from_hf,
     num_experts_from_hf,
 )
@@ -59,7 +60,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-class Qwen3MoeExperts(nn.Module):
+class Qwen3MoeExperts(StackedExperts):
     """E SwiGLU experts stacked (E, out, in); runs the routed rows as grouped GEMMs."""
 
     is_transposed = False  # per expert (out, in), as nn.Linear (PEFT reads this name)
@@ -80,9 +81,6 @@ class Qwen3MoeExperts(nn.Module):
 
     def down(self, a_RI: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         return grouped_mm(a_RI, self.down_proj.transpose(1, 2), plan.offsets_E)
-
-    def forward(self, x_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        return self.down(self.activate(self.gate_up(x_RD, plan)), plan)
 
 
 class Qwen3MoeBlock(MoEBlock):
