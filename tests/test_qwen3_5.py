@@ -92,7 +92,14 @@ def test_logits_loss_and_every_gradient_equal_transformers(checkpoint):
     grads = {n: p.grad for n, p in ours.named_parameters()}
     assert set(grads) == set(theirs)
     for name, grad in grads.items():
-        assert _rel(grad, theirs[name].grad) < 1e-4, name
+        assert _rel(grad, theirs[name].grad) < DECAY_TOL.get(name.rsplit(".", 1)[-1], 1e-4), name
+
+
+# A DeltaNet's decay parameters (H = 4 values a layer, each gradient a sum over every token):
+# float32 rounding alone moves transformers' layer-0 A_log gradient by 9.7e-5 from its run in
+# float64 (its chunked rule stays float32 inside; ours moves 4.4e-5), and the two float32 runs
+# differ by 1.1e-4 here (a 2-core x86 machine; measured at 2ce40b9 too: 1.13e-4).
+DECAY_TOL = {"A_log": 3e-4, "dt_bias": 3e-4}
 
 
 def test_packed_equals_each_sequence_alone(checkpoint):
