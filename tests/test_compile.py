@@ -33,6 +33,20 @@ def _grads(model, lengths, seed):
     return loss, torch.autograd.grad(loss, params)
 
 
+def _assert_matches_eager_without_recompiling(compiled, eager):
+    """Loss and grads equal over three batches of new lengths; the first batch's graphs serve
+    the other two (dynamic shapes)."""
+    graphs_after_first = None
+    for i, lengths in enumerate(([5, 9, 2], [17, 4], [3, 3, 3, 3, 11])):
+        loss, grads = _grads(compiled, lengths, seed=i)
+        ref_loss, ref_grads = _grads(eager, lengths, seed=i)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        graphs_after_first = graphs_after_first or compiled_graphs()
+    assert 0 < graphs_after_first == compiled_graphs()
+
+
 @pytest.mark.parametrize("mode", [pytest.param("recompute", marks=pytest.mark.slow), "offload"])
 def test_compiled_blocks_match_eager_without_recompiling_per_batch(mode):
     """LoRA + checkpointing (offload's schedule forced on CPU) + compiled blocks: the same
@@ -44,15 +58,7 @@ def test_compiled_blocks_match_eager_without_recompiling_per_batch(mode):
         m.load_state_dict(eager.state_dict())
         apply_checkpointing(m, mode, force=True)
     assert regional.apply_compile(compiled) == 6
-    graphs_after_first = None
-    for i, lengths in enumerate(([5, 9, 2], [17, 4], [3, 3, 3, 3, 11])):
-        loss, grads = _grads(compiled, lengths, seed=i)
-        ref_loss, ref_grads = _grads(eager, lengths, seed=i)
-        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-        graphs_after_first = graphs_after_first or compiled_graphs()
-    assert 0 < graphs_after_first == compiled_graphs()
+    _assert_matches_eager_without_recompiling(compiled, eager)
 
 
 def test_moe_layers_compile_attention_only():
@@ -110,12 +116,4 @@ def test_tiled_mlp_under_compile_matches_eager():
         apply_mlp_tiling(m, 3)
         apply_checkpointing(m, "recompute", force=True)
     assert regional.apply_compile(compiled) == 4
-    graphs_after_first = None
-    for i, lengths in enumerate(([5, 9, 2], [17, 4], [3, 3, 3, 3, 11])):
-        loss, grads = _grads(compiled, lengths, seed=i)
-        ref_loss, ref_grads = _grads(eager, lengths, seed=i)
-        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
-        graphs_after_first = graphs_after_first or compiled_graphs()
-    assert 0 < graphs_after_first == compiled_graphs()
+    _assert_matches_eager_without_recompiling(compiled, eager)
