@@ -31,8 +31,10 @@ def _fields(reader) -> dict:
     out = {}
     for key, f in reader.fields.items():
         if f.data and not key.startswith("tokenizer."):
-            part = f.parts[f.data[0]]
-            out[key] = bytes(part).decode() if key == "general.architecture" else part.tolist()
+            if key == "general.architecture":
+                out[key] = bytes(f.parts[f.data[0]]).decode()
+            else:  # every element of an array (lfm2's per-layer K/V heads)
+                out[key] = [x for i in f.data for x in f.parts[i].tolist()]
     return out
 
 
@@ -47,9 +49,12 @@ LAYOUT = {
     "phi": ("phi2", None, 14, False, {"num_key_value_heads": 4}),  # + biases, 1 LayerNorm
     "granite": ("granite", None, 9, True, {}),
     "smollm3": ("smollm3", None, 9, True, {}),
+    "lfm2": ("lfm2", None, 8, False, {}),  # conv layer: 3 shortconv, gate/up/down, 2 norms
 }  # fmt: skip
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
-OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5}
+OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3}
+# (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
+# the 8 of its convolution layer 0)
 
 
 @pytest.mark.parametrize("model_type", list(LAYOUT))
@@ -73,9 +78,9 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     theta = model.hf.config.rope_parameters["rope_theta"]
     assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
     kv = model.hf.config.num_key_value_heads
-    assert fields[f"{arch}.block_count"] == [2] and fields[f"{arch}.attention.head_count_kv"] == [
-        kv
-    ]
+    kv = [0, kv] if model_type == "lfm2" else [kv]  # lfm2: per layer, 0 on its conv layer
+    assert fields[f"{arch}.block_count"] == [2]
+    assert fields[f"{arch}.attention.head_count_kv"] == kv
     assert fields.get(f"{arch}.expert_count") == ([experts] if experts else None)
     _assert_arch_fields(model_type, arch, fields, model.hf.config)
     known = set(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]])
@@ -118,6 +123,9 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
         assert rotary < 1 and fields[f"{arch}.rope.dimension_count"] == [int(16 * rotary)]
     if model_type == "stablelm":
         assert fields["stablelm.use_parallel_residual"] == [hf.use_parallel_residual]
+    if model_type == "lfm2":
+        assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
+        assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
     if model_type == "granite":
         for key, attr in [("attention.scale", "attention_multiplier"),
                           ("embedding_scale", "embedding_multiplier"),
@@ -153,7 +161,7 @@ def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, token
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
     [("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16}),
-     ("starcoder2", {"sliding_window": None}), ("stablelm", {})],
+     ("starcoder2", {"sliding_window": None}), ("stablelm", {}), ("lfm2", {})],
 )  # fmt: skip
 def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokenizer, model_type,  # noqa: F811
                                                          overrides):  # fmt: skip
@@ -171,7 +179,9 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
     read = AutoConfig.from_pretrained(folder, gguf_file="m.gguf")
     want = AutoConfig.from_pretrained(folder)
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size")  # fmt: skip
+            "vocab_size")  # fmt: skip
+    if model_type != "lfm2":  # whose width transformers derives from block_ff_dim (256 here)
+        keys += ("intermediate_size",)
     assert {k: getattr(read, k) for k in keys} == {k: getattr(want, k) for k in keys}
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf", config=want,
                                               dtype=torch.float32)  # fmt: skip
@@ -180,9 +190,9 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    lfm2 = _generic(tmp_path, "lfm2")
-    with pytest.raises(ValueError, match="model_type 'lfm2' has no llama.cpp architecture") as e:
-        export_gguf(lfm2, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
+    cohere2 = _generic(tmp_path, "cohere2")
+    with pytest.raises(ValueError, match="model_type .cohere2. has no llama.cpp architecture") as e:
+        export_gguf(cohere2, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
     with pytest.raises(ValueError, match="'llama' built by transformers' modeling code"):

@@ -25,6 +25,10 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   keys (head_dim must be D/H: llama.cpp derives it); SmolLM3 with llama.cpp's fixed NoPE
   pattern only (no RoPE on every 4th layer, `no_rope_layers`) and no sliding window.
 
+- lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
+  (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
+  the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
+
 Activations are checked too: llama.cpp fixes each architecture's (GELU tanh for gemma2,
 starcoder2 and phi2; SiLU for the rest).
 
@@ -272,5 +276,53 @@ SMOLLM3 = GGUFSpec(
     extra_tensors=_no_tensors, transforms=_llama_rows("weight", "bias"),
 )  # fmt: skip
 
-SPECS = (OLMO2, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3)
+
+def _overwrite(w: Any, key: str) -> None:
+    """Drop `key`, written by the common hyperparameters (gguf_arch.write_metadata), so the
+    spec's own value replaces it without the writer's duplicate-key warning."""
+    w.kv_data[0].pop(key.format(arch=w.arch), None)
+
+
+def _lfm2_check(cfg: Any, hf: dict) -> None:
+    if hf.get("conv_bias"):
+        _refuse("lfm2", "conv_bias=true", "llama.cpp's lfm2 convolutions have no bias")
+
+
+def _lfm2_ff(hf: dict) -> int:
+    """The width of LFM2's feed-forward blocks, as transformers' Lfm2MLP derives it."""
+    ff = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim"):
+        ff = int(2 * ff / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            ff = int(hf["block_ffn_dim_multiplier"] * ff)
+        multiple = int(hf["block_multiple_of"])
+        ff = multiple * ((ff + multiple - 1) // multiple)
+    return ff
+
+
+def _lfm2_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    kv = [cfg.num_key_value_heads if kind != "conv" else 0 for kind in hf["layer_types"]]
+    for key in ("{arch}.attention.head_count_kv", "{arch}.feed_forward_length",
+                "{arch}.attention.layer_norm_rms_epsilon"):  # fmt: skip
+        _overwrite(w, key)
+    w.add_head_count_kv(kv[: cfg.num_hidden_layers])
+    w.add_feed_forward_length(_lfm2_ff(hf))
+    w.add_layer_norm_rms_eps(float(hf["norm_eps"]))
+    w.add_shortconv_l_cache(int(hf["conv_L_cache"]))
+
+
+LFM2 = GGUFSpec(
+    "LFM2", "lfm2", ("lfm2",), check=_lfm2_check, write_metadata=_lfm2_metadata,
+    extra_tensors=_no_tensors,
+    transforms=(  # the depthwise kernel (D, 1, L): llama.cpp's conv op takes (D, L)
+        TensorTransform(
+            ("conv.conv.weight",),
+            lambda cfg, name, t: [(name, t.squeeze(1))],
+            lambda cfg, name, parts: iter([(name, parts[0].unsqueeze(1))]),
+        ),
+    ),
+)  # fmt: skip
+
+SPECS = (OLMO2, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3, LFM2)
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
