@@ -466,3 +466,28 @@ def test_a_full_fine_tuning_run_saves_what_transformers_loads(tmp_path, quiet):
         assert _rel(ours(ids, SeqInfo.from_lengths([len(ids)])), want) < 1e-5
         assert _rel(before(input_ids=ids[None]).logits[0], want) > 1e-3
     assert type(ours).__name__ == "GenericCausalLM"
+
+
+def test_cli_refuses_remote_code_without_trust_remote_code(tmp_path, quiet, capsys):
+    """A checkpoint that names its own modeling code (auto_map, a type transformers does not
+    know): `slipstream train` and `preview` say so in one line, exit 2, before loading it."""
+    from helpers.runs import chat_rows, run_config
+    from helpers.tokenizers import save_test_tokenizer
+
+    from slipstream import cli
+
+    folder = tmp_path / "remote"
+    save_test_tokenizer(folder, "chatml", vocab_size=300)
+    config = {"model_type": "my_remote_lm", "auto_map": {"AutoModelForCausalLM": "m.MyLM"},
+              "architectures": ["MyLM"], "hidden_size": 32}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(4)))
+    (tmp_path / "r.yaml").write_text(json.dumps(run_config((folder, data), tmp_path / "o")))
+    for command in ("train", "preview"):
+        assert cli.main([command, str(tmp_path / "r.yaml")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert "model_type 'my_remote_lm' needs the checkpoint's own modeling code" in err[0]
+        assert "model.trust_remote_code: true" in err[0]
+    assert not (tmp_path / "o").exists()
