@@ -166,6 +166,9 @@ def test_loss_and_gradients_equal_trl(tmp_path, case, implementation):
     m = trainer._metrics["train"]
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert (metrics[key] / S).item() == pytest.approx(m[key][-1], abs=1e-6), key
+    logged = objective.report({k: v.item() for k, v in metrics.items()}, S)
+    assert logged["entropy"] == pytest.approx(m["entropy"][-1], abs=1e-5, rel=1e-5)
+    assert "entropy/tokens" not in logged and 0 < logged["entropy"] < math.log(300)
     if off:
         assert 0 < m["clip_ratio/region_mean"][-1] < 1  # the off-policy case clips some
     model.zero_grad(set_to_none=True)
@@ -266,9 +269,13 @@ def test_lora_with_a_kl_penalty_equals_trl(tmp_path, reference):
     want = trainer._compute_loss(trainer.model, out)
     want.backward()
     model.zero_grad(set_to_none=True)
-    loss = sum(objective.micro_batch_loss(model, b)[0] for b in batches) / S
+    results = [objective.micro_batch_loss(model, b) for b in batches]
+    loss = sum(r[0] for r in results) / S
     loss.backward()
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    sums = {k: sum(float(r[1][k]) for r in results) for k in results[0][1]}
+    entropy = objective.report(sums, S)["entropy"]
+    assert entropy == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5, rel=1e-5)
     expected = {trl_name(n): p.grad for n, p in trainer.model.named_parameters()
                 if p.grad is not None}  # fmt: skip
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

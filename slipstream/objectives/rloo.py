@@ -14,8 +14,9 @@ clipped, times the advantage, the mean over completions (weight = completions). 
 log-probs come from the packed forward through the chunked head and are summed per
 completion by host-built segment ids (no sync). A truncated completion with
 `mask_truncated_completions` scores no tokens (its sums are 0, as TRL's masked ones).
-Metrics: TRL's clip_ratio/low_mean, high_mean, region_mean (per completion); the rollout
-adds `kl` (the token mean of old - ref, beta > 0).
+Metrics: TRL's clip_ratio/low_mean, high_mean, region_mean (per completion) and `entropy`
+(the policy's, a token mean over the unmasked completion tokens, from the same chunks of
+logits as the log-probs); the rollout adds `kl` (the token mean of old - ref, beta > 0).
 
 Shapes: N scored tokens, S completions of a micro-batch.
 """
@@ -31,7 +32,7 @@ from slipstream import distributed as dist
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.objectives.grpo import GRPO
 from slipstream.objectives.grpo_data import Sample
-from slipstream.objectives.logps import segment_sums, token_logps
+from slipstream.objectives.logps import segment_sums
 from slipstream.objectives.rloo_config import RLOOSection
 from slipstream.objectives.rloo_loss import leave_one_out, normalise, sequence_losses
 
@@ -75,7 +76,8 @@ class RLOO(GRPO):
 
     name = "rloo"
     section = RLOOSection
-    metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    metric_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "entropy", "entropy/tokens")  # fmt: skip
 
     def collate_samples(self, samples: list[Sample], indices: list[int]) -> RLOOBatch:
         return collate_samples(samples, indices)
@@ -139,10 +141,11 @@ class RLOO(GRPO):
         """The clipped sequence-level surrogate summed over the completions, and the clip
         counts (per completion; the meter divides by the completions)."""
         b, S = batch, batch.num_sequences
-        logps_N = token_logps(
-            model, b.input_ids, b.labels, b.seq, b.positions, self.options.temperature
-        )
-        logps_S = segment_sums(logps_N * b.mask, b.segments, S)
+        nll_N, parts = model.loss(
+            b.input_ids, b.labels, b.seq, reduction="none", label_positions=b.positions,
+            temperature=self.options.temperature, return_parts=True,
+        )  # fmt: skip
+        logps_S = segment_sums(-nll_N * b.mask, b.segments, S)
         old_S = (
             segment_sums(b.old_logps * b.mask, b.segments, S)
             if b.old_logps is not None
@@ -155,5 +158,14 @@ class RLOO(GRPO):
             "clip_ratio/low_mean": low_S.sum(),
             "clip_ratio/high_mean": high_S.sum(),
             "clip_ratio/region_mean": torch.maximum(low_S, high_S).sum(),
+            "entropy": (parts["entropy"] * b.mask).sum(),  # a token mean: see report()
+            "entropy/tokens": b.mask.sum(),
         }
         return loss_S.sum(), metrics
+
+    def report(self, sums: dict[str, float], weight: float) -> dict[str, float]:
+        """Per completion, but `entropy` TRL's token mean over the unmasked completion tokens."""
+        out = {k: v / max(weight, 1) for k, v in sums.items() if not k.startswith("entropy")}
+        if "entropy" in sums:
+            out["entropy"] = sums["entropy"] / max(sums["entropy/tokens"], 1)
+        return out
