@@ -48,6 +48,11 @@ for kind in ("qwen3_5", "qwen3_5_moe"):
     EXTRA[f"{kind}_text"] = QWEN35
     EXTRA[kind] = {"text_config": {**common.TINY, **QWEN35, "model_type": f"{kind}_text"}}
 EXTRA["gemma4"] = {"text_config": {**common.TINY, **EXTRA["gemma4_text"]}}
+# Rows beyond one per model_type: (row label, model_type, config keys beyond common.TINY).
+VARIANTS = [
+    ("gemma4_text (MoE)", "gemma4_text", {**EXTRA["gemma4_text"], "enable_moe_block": True,
+     "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}),  # 26B-A4B's block
+]  # fmt: skip
 
 
 def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:
@@ -70,10 +75,11 @@ def apply_features(model: torch.nn.Module, moe: bool) -> list[str]:
     return features
 
 
-def measure(model_type: str, tokens: int) -> dict:
+def measure(model_type: str, tokens: int, extra: dict | None = None, label: str = "") -> dict:
     from slipstream.train.optim import build_optimizer
 
-    hf = common.hf_config(model_type, **{**common.TINY, **EXTRA.get(model_type, {})})
+    extra = EXTRA.get(model_type, {}) if extra is None else extra
+    hf = common.hf_config(model_type, **{**common.TINY, **extra})
     model = common.build_random_model(hf).train()
     moe = any("expert" in name for name, _ in model.named_parameters())
     features = apply_features(model, moe)
@@ -96,7 +102,7 @@ def measure(model_type: str, tokens: int) -> dict:
             optimizer.zero_grad(set_to_none=True)
     sites = {**model_syncs.sites, **optim_syncs.sites}
     return {
-        "model_type": model_type,
+        "model_type": label or model_type,
         "kind": "MoE" if moe else "dense",
         "features": " + ".join(features),
         "fwd+bwd syncs": model_syncs.total,
@@ -115,11 +121,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     tokens = 96 if args.quick else 512
     rows = []
-    for model_type in sorted(FAMILIES):
+    runs = [(t, t, None) for t in sorted(FAMILIES)] + VARIANTS
+    for label, model_type, extra in runs:
         try:
-            rows.append(measure(model_type, tokens))
+            rows.append(measure(model_type, tokens, extra, label))
         except Exception as e:  # one broken family must not hide the others
-            rows.append({"model_type": model_type, "where": f"error: {type(e).__name__}: {e}"})
+            rows.append({"model_type": label, "where": f"error: {type(e).__name__}: {e}"})
     info = common.run_info()
     command = "python benchmarks/bench_syncs.py" + (" --quick" if args.quick else "")
     print(f"Host syncs per training step (second step, {tokens} tokens in 3 sequences)")

@@ -100,7 +100,9 @@ def test_syncs_quick(capsys):
 
     rows = bench_syncs.main(["--quick"])
     table_header(capsys.readouterr().out, bench_syncs.COLUMNS)
-    assert sorted(r["model_type"] for r in rows) == sorted(FAMILIES)
+    labels = sorted([*FAMILIES, *(label for label, _, _ in bench_syncs.VARIANTS)])
+    assert sorted(r["model_type"] for r in rows) == labels
+    assert any(r["model_type"] == "gemma4_text (MoE)" and r["kind"] == "MoE" for r in rows)
     for r in rows:
         assert r.get("fwd+bwd syncs") == 0, r
         assert r.get("optimizer syncs") == 0, r
