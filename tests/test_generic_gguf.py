@@ -50,9 +50,12 @@ LAYOUT = {
     "granite": ("granite", None, 9, True, {}),
     "smollm3": ("smollm3", None, 9, True, {}),
     "lfm2": ("lfm2", None, 8, False, {}),  # conv layer: 3 shortconv, gate/up/down, 2 norms
+    "olmo3": ("olmo2", None, 11, False, {"sliding_window": 8}),  # as olmo2
+    "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
+                "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
 }  # fmt: skip
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
-OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3}
+OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2}
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -75,7 +78,8 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     reader = gguf.GGUFReader(str(path))
     fields = _fields(reader)
     assert fields["general.architecture"] == arch
-    theta = model.hf.config.rope_parameters["rope_theta"]
+    rope = model.hf.config.rope_parameters
+    theta = rope.get("full_attention", rope)["rope_theta"]  # olmo3: per layer type
     assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
     kv = model.hf.config.num_key_value_heads
     kv = [0, kv] if model_type == "lfm2" else [kv]  # lfm2: per layer, 0 on its conv layer
@@ -123,6 +127,13 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
         assert rotary < 1 and fields[f"{arch}.rope.dimension_count"] == [int(16 * rotary)]
     if model_type == "stablelm":
         assert fields["stablelm.use_parallel_residual"] == [hf.use_parallel_residual]
+    if model_type == "olmo3":  # sliding, then full (transformers' layer_types)
+        assert fields["olmo2.attention.sliding_window"] == [8]
+        assert fields["olmo2.attention.sliding_window_pattern"] == [True, False]
+    if model_type == "cohere2":
+        assert fields["cohere2.logit_scale"] == [pytest.approx(hf.logit_scale)]
+        assert fields["cohere2.attention.sliding_window"] == [hf.sliding_window]
+        assert fields["cohere2.attention.layer_norm_epsilon"] == [pytest.approx(hf.layer_norm_eps)]
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -190,9 +201,11 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    cohere2 = _generic(tmp_path, "cohere2")
-    with pytest.raises(ValueError, match="model_type .cohere2. has no llama.cpp architecture") as e:
-        export_gguf(cohere2, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
+    glm = _generic(tmp_path, "glm4_moe")
+    with pytest.raises(
+        ValueError, match="model_type .glm4_moe. has no llama.cpp architecture"
+    ) as e:
+        export_gguf(glm, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
     with pytest.raises(ValueError, match="'llama' built by transformers' modeling code"):
@@ -210,6 +223,8 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("phi", {}, "phi with 2 key/value heads"),
         ("smollm3", {"no_rope_layers": [1, 0]}, r"smollm3 with no_rope_layers=\[1, 0\]"),
         ("granite", {"head_dim": 4}, "granite with head_dim=4"),
+        ("cohere2", {"layer_types": ["sliding_attention"] * 2}, "cohere2 with an untied lm_head"),
+        ("cohere2", {"tie_word_embeddings": True}, r"cohere2 with layer_types \[.*\]"),
     ]
     for i, (model_type, overrides, match) in enumerate(cases):
         model = _generic(tmp_path / str(i), model_type, **overrides)

@@ -25,6 +25,12 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   keys (head_dim must be D/H: llama.cpp derives it); SmolLM3 with llama.cpp's fixed NoPE
   pattern only (no RoPE on every 4th layer, `no_rope_layers`) and no sliding window.
 
+- olmo3: llama.cpp's OLMO2 with the window and its per-layer pattern (`sliding_window_pattern`,
+  from `layer_types`); one RoPE for all layers (per-type RoPE parameters must agree).
+- cohere2: COHERE2: parallel attention and MLP on one LayerNorm (no bias), interleaved RoPE
+  as HF already stores it (no permutation), on the sliding layers only, as transformers; the
+  logit scale and window under its keys. llama.cpp fixes every 4th layer full and outputs
+  through the token embedding: other configs are refused, as are attention biases.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -60,6 +66,14 @@ def rope_from_hf(w: Any, cfg: Any, hf: dict) -> None:
     params = hf.get("rope_parameters") or {
         **(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0),
     }  # fmt: skip
+    if {"full_attention", "sliding_attention"} & params.keys():  # per layer type (OLMo 3)
+        kinds = list(params.values())
+        if any(k != kinds[0] for k in kinds):
+            raise ValueError(
+                f"GGUF export: {cfg.model_type} with RoPE per layer type {params}: llama.cpp "
+                "runs one RoPE for every layer, so it would compute another model."
+            )
+        params = kinds[0]
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind != "default":
         raise ValueError(
@@ -324,5 +338,44 @@ LFM2 = GGUFSpec(
     ),
 )  # fmt: skip
 
-SPECS = (OLMO2, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3, LFM2)
+
+def _olmo3_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    L = cfg.num_hidden_layers
+    w.add_sliding_window(int(hf["sliding_window"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in hf["layer_types"][:L]])
+
+
+def _cohere2_check(cfg: Any, hf: dict) -> None:
+    from slipstream.checkpoint.gguf_families import check_layer_types
+
+    if not cfg.tie_word_embeddings:
+        _refuse(
+            "cohere2",
+            "an untied lm_head",
+            "llama.cpp's cohere2 outputs through the token embedding",
+        )
+    if hf.get("attention_bias"):
+        _refuse("cohere2", "attention_bias=true", "llama.cpp's cohere2 has no biases")
+    _activation("cohere2", hf, "hidden_act", ("silu",))
+    check_layer_types(cfg, hf, 4)
+
+
+def _cohere2_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_layer_norm_eps(float(hf["layer_norm_eps"]))
+    w.add_logit_scale(float(hf["logit_scale"]))
+    w.add_sliding_window(int(hf["sliding_window"]))
+
+
+OLMO3 = GGUFSpec(
+    "OLMO2", "olmo2", ("olmo3",), write_metadata=_olmo3_metadata, extra_tensors=_no_tensors
+)
+COHERE2 = GGUFSpec(
+    "COHERE2", "cohere2", ("cohere2",), check=_cohere2_check, write_metadata=_cohere2_metadata,
+    extra_tensors=_no_tensors,
+)  # fmt: skip
+
+SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3,
+         LFM2, COHERE2)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
