@@ -32,6 +32,7 @@ import bench_metadata  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_peers  # noqa: E402
+import bench_qwen3_5  # noqa: E402
 import bench_syncs  # noqa: E402
 import common  # noqa: E402
 import gpu_suite  # noqa: E402
@@ -230,6 +231,19 @@ def test_dpo_quick(capsys):
 
 
 @pytest.mark.slow
+def test_qwen3_5_quick(capsys):
+    """Native and generic Qwen3.5 (dense, MoE) on one checkpoint: 0 syncs on both, the same
+    loss after the same steps from the same adapters (~15 s)."""
+    rows = bench_qwen3_5.main(["--quick"])
+    table_header(capsys.readouterr().out, bench_qwen3_5.COLUMNS)
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        (m, v) for m in ("qwen3_5_text", "qwen3_5_moe_text") for v in ("native", "generic")
+    ]
+    for native, generic in (rows[:2], rows[2:]):
+        assert native["syncs/step"] == generic["syncs/step"] == 0
+        assert abs(native["loss"] - generic["loss"]) < 1e-3 * generic["loss"]
+
+
 @pytest.mark.slow
 def test_gemma4_quick(capsys):
     """Native and generic Gemma 4 (dense, MoE) on one checkpoint: the same first loss, 0 syncs."""
