@@ -62,6 +62,35 @@ def test_ids_and_pixels_equal_the_processor_and_only_the_reply_is_trained(llava,
     assert len(ex.feature_rows()) == 32
 
 
+def test_images_in_later_turns_and_in_a_reply_are_never_targets(llava):
+    folder, tok, side = llava
+    first, second = random_image(40, 60), random_image(25, 33, seed=1)
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+            {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                         {"type": "image"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Like "},
+                                              {"type": "image"},
+                                              {"type": "text", "text": " this."}]},
+        ],
+        "images": [first, second],
+    }  # fmt: skip
+    (ex,), report = _tokenize([row], tok, side)
+    assert report.kept == 1 and ex.image_tokens == [16, 16]
+    messages, images = vision_messages(row)
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    text = tok.apply_chat_template(messages, tokenize=False)
+    ref = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+    assert ex.input_ids == ref["input_ids"][0].tolist()
+    torch.testing.assert_close(ex.images["pixel_values"], ref["pixel_values"], atol=0, rtol=0)
+    rows = ex.feature_rows()
+    assert len(rows) == 32 and not any(ex.trainable[t] for t in rows)
+    trained = [i for i, t in zip(ex.input_ids, ex.trainable) if t]
+    assert tok.decode(trained) == "Hello.<|im_end|>Like  this.<|im_end|>"
+
+
 def test_image_values_in_every_supported_form(llava, tmp_path):
     _, tok, side = llava
     image = random_image(30, 30)

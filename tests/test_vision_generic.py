@@ -125,6 +125,29 @@ def test_no_host_sync_in_a_training_step(llava):
     assert syncs.total == 0, syncs
 
 
+def test_a_frozen_tower_and_projector_record_no_autograd_state(llava):
+    folder, _, examples = llava
+    model = slipstream.load_model(folder)
+    slipstream.apply_lora(model, rank=4, alpha=8)
+    images = image_inputs(collate(examples).fields)
+    feats = model.image_features(images)
+    assert not feats.requires_grad and feats.grad_fn is None  # no graph kept for the tower
+    vision = tuple(f"{p}." for p in model.vision.values())
+    assert not [n for n, p in model.named_parameters() if n.startswith(vision) and p.requires_grad]
+    loss = _ours(model, examples, reduction="sum")
+    loss.backward()
+    assert not [
+        n for n, p in model.named_parameters() if n.startswith(vision) and p.grad is not None
+    ]
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    lora_tower = slipstream.load_model(folder)
+    vision_training(lora_tower, VisionSection(tower="lora"), "lora", before_lora=True)
+    slipstream.apply_lora(lora_tower, rank=4, alpha=8)
+    assert lora_tower.image_features(images).requires_grad  # trained: the graph is kept
+
+
 def test_adapter_loads_in_peft_with_equal_logits_on_images(llava, tmp_path):
     folder, _, examples = llava
     ours = slipstream.load_model(folder)

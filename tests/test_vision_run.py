@@ -115,6 +115,29 @@ def test_generate_with_image_from_the_run_folder(run_dir, tmp_path, capsys):
     assert len(err) == 1 and "--image nope.png: no such image file" in err[0]
 
 
+def test_generate_a_jsonl_of_image_prompts(run_dir, tmp_path):
+    import slipstream
+
+    folder, data, _ = run_dir
+    prompts = [
+        [{"role": "user", "content": [{"type": "image", "path": "pics/img0.png"},
+                                      {"type": "text", "text": "Which is it?"}]}],
+        [{"role": "user", "content": "Hello"}],
+    ]  # fmt: skip
+    src, out = data.parent / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"messages": p}) + "\n" for p in prompts))
+    argv = ["generate", str(folder), "--input", str(src), "--output", str(out),
+            "--max-new-tokens", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompts[0][0]["content"][0]["path"] = str(data.parent / "pics" / "img0.png")
+    expected = slipstream.generate(slipstream.load_model(folder), prompts, tokenizer=tok,
+                                   max_new_tokens=4)  # fmt: skip
+    assert [r["token_ids"] for r in rows] == [c.token_ids for c in expected]
+    assert rows[0]["token_ids"] != rows[1]["token_ids"]
+
+
 def test_chat_with_an_image_answers_as_generate(run_dir, monkeypatch, capsys):
     import io
 
