@@ -2,10 +2,11 @@
 
 Run: `python benchmarks/bench_gemma4.py [--reps 3] [--json FILE]` (minutes on 2 cores),
 `--quick` (seconds, tiny shapes). Part 1 of bench_generic.py (`native_vs_generic`: the same
-random checkpoint loaded both ways, LoRA r16 on q/k/v/o + gate/up/down, prepacked frozen
-linears, recompute checkpointing, a LoRA step on 1,024 packed tokens in 7 sequences, timed
-interleaved; syncs of loss + backward) at two Gemma 4 shapes, hidden 256, 6 layers
-alternating sliding (window 128) and full, vocab 8192, final softcap:
+random checkpoint loaded both ways, LoRA r16 on q/k/v/o + gate/up/down (MoE: q/k/v/o; the
+MLP names would put LoRA on the experts on both paths but on the dense MLP beside them only
+natively), prepacked frozen linears, recompute checkpointing, a LoRA step on 1,024 packed
+tokens in 7 sequences, timed interleaved; syncs of loss + backward) at two Gemma 4 shapes,
+hidden 256, 6 layers alternating sliding (window 128) and full, vocab 8192, final softcap:
 - dense, E2B/E4B-like: full layers with head dim 128 and 1 KV head, k = v, per-layer inputs
   (P = 64), the last 2 layers reusing earlier layers' K/V;
 - MoE, 26B-A4B-like: 16 experts top-4 (width 128) beside the dense MLP, no per-layer inputs.

@@ -102,7 +102,10 @@ def native_vs_generic(model_type: str, shape: dict, tokens: int, reps: int) -> l
     lengths = common.split_lengths(tokens, 7)
     ids, labels, seq = common.random_batch(lengths, shape["vocab_size"])
     positions = (labels != -100).nonzero()[:, 0]
-    targets = ATTENTION + ([] if "moe" in model_type else MLP)
+    # MoE: attention only. The MLP names reach the experts on both paths, and natively also
+    # a dense MLP beside them (Gemma 4's), which the generic path cannot adapt: other work.
+    moe = "moe" in model_type or bool(shape.get("enable_moe_block"))
+    targets = ATTENTION + ([] if moe else MLP)
     models, fns, losses = {}, {}, {}
     for impl in ("native", "transformers"):
         model = load_model(folder, dtype=torch.float32, implementation=impl)
