@@ -149,9 +149,10 @@ def test_offload_and_recompute_give_the_gradients_of_none(hf_dir):
 
 
 def test_greedy_generation_equals_transformers_generate(hf_dir):
-    """Mixed-length prompts (9 + 10 tokens > the window of 4), one stopping early: with a
-    stop check every 2 tokens its row leaves the cache after 4 while the others decode on 6
-    more, the sharing layers reading their compacted source layers' K/V."""
+    """Mixed-length prompts (9 + 10 tokens > the window of 4), 2 samples each (the prefilled
+    cache rows repeated), one prompt stopping early: with a stop check every 2 tokens its rows
+    leave the cache after 4 while the others decode on 6 more, the sharing layers reading
+    their compacted source layers' K/V."""
     from slipstream.generation import engine
 
     hf, path = hf_dir
@@ -166,12 +167,14 @@ def test_greedy_generation_equals_transformers_generate(hf_dir):
 
     stop = reference(prompts[0])[2]  # prompt 0 stops at its third token
     greedy = engine.Sampling(0.0, 1.0, 0)
-    rows = engine.run(ours, prompts, max_new_tokens=new, sampling=greedy, stop_ids=[stop],
-                      check_every=2)  # fmt: skip
-    assert rows[0].finish_reason == "stop" and len(rows[0].token_ids) <= 3
-    assert any(len(r.token_ids) == new for r in rows[1:])  # the others ran past its drop
-    for row, p in zip(rows, prompts, strict=True):
-        assert list(row.token_ids) == reference(p, stop)
+    rows = engine.run(ours, prompts, samples_per_prompt=2, max_new_tokens=new,
+                      sampling=greedy, stop_ids=[stop], check_every=2)  # fmt: skip
+    assert [r.prompt_index for r in rows] == [0, 0, 1, 1, 2, 2]
+    for r in rows[:2]:
+        assert r.finish_reason == "stop" and len(r.token_ids) <= 3
+    assert any(len(r.token_ids) == new for r in rows[2:])  # the others ran past its drop
+    for row in rows:
+        assert list(row.token_ids) == reference(prompts[row.prompt_index], stop)
 
 
 def test_native_equals_generic_on_the_same_checkpoint(hf_dir):
