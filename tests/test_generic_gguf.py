@@ -51,9 +51,19 @@ LAYOUT = {
     "smollm3": ("smollm3", None, 9, True, {}),
     "lfm2": ("lfm2", None, 8, False, {}),  # conv layer: 3 shortconv, gate/up/down, 2 norms
     "olmo3": ("olmo2", None, 11, False, {"sliding_window": 8}),  # as olmo2
+    "minimax_m2": ("minimax-m2", 4, 13, False, {}),  # mixtral's + q/k norms, router bias
     "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
                 "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
 }  # fmt: skip
+
+
+def _arch_enum(name: str):
+    """The gguf.MODEL_ARCH member whose llama.cpp name is `name` ("minimax-m2")."""
+    import gguf
+
+    return next(arch for arch, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
+
+
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2}
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
@@ -87,7 +97,7 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     assert fields[f"{arch}.attention.head_count_kv"] == kv
     assert fields.get(f"{arch}.expert_count") == ([experts] if experts else None)
     _assert_arch_fields(model_type, arch, fields, model.hf.config)
-    known = set(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]])
+    known = set(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[_arch_enum(arch)])
     tensors = {t.name: t for t in reader.tensors}
     for name in tensors:
         stem = name.removesuffix(".weight").removesuffix(".bias")
@@ -96,7 +106,7 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     hf_q = state["model.layers.1.self_attn.q_proj.weight"]
     want_q = permute_rotary(hf_q, 4) if permuted else hf_q
     torch.testing.assert_close(q, want_q)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 2)
+    names = gguf.get_tensor_name_map(_arch_enum(arch), 2)
     hf_name = next(
         n for n in state if n.startswith("model.layers.0.") and n.endswith("norm.weight")
     )
@@ -172,7 +182,8 @@ def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, token
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
     [("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16}),
-     ("starcoder2", {"sliding_window": None}), ("stablelm", {}), ("lfm2", {})],
+     ("starcoder2", {"sliding_window": None}), ("stablelm", {}), ("lfm2", {}),
+     ("minimax_m2", {})],
 )  # fmt: skip
 def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokenizer, model_type,  # noqa: F811
                                                          overrides):  # fmt: skip
@@ -182,6 +193,10 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = _generic(tmp_path, model_type, **overrides)
+    torch.manual_seed(4)
+    for name, buf in model.named_buffers():  # MiniMax-M2's router bias: 0 would hide a loss
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0, 0.5)
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
     with torch.no_grad():
         ref = model(ids, SeqInfo.from_lengths([len(ids)]))

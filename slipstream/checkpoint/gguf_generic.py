@@ -31,6 +31,9 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   as HF already stores it (no permutation), on the sliding layers only, as transformers; the
   logit scale and window under its keys. llama.cpp fixes every 4th layer full and outputs
   through the token embedding: other configs are refused, as are attention biases.
+- minimax_m2: MINIMAXM2 (llama.cpp's `minimax-m2`): the stacked experts split as Mixtral's,
+  the router's sigmoid gating and its score-correction bias (`exp_probs_b.bias`, a buffer in
+  transformers), full-width q/k norms, partial rotary dims, the expert width.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -368,6 +371,34 @@ def _cohere2_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_sliding_window(int(hf["sliding_window"]))
 
 
+def _minimax_m2_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    import gguf
+
+    rope_from_hf(w, cfg, hf)
+    w.add_expert_count(int(hf["num_local_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(hf["intermediate_size"]))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _minimax_m2_check(cfg: Any, hf: dict) -> None:
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        _refuse("minimax_m2", f"scoring_func={hf['scoring_func']}",
+                "transformers' and llama.cpp's MiniMax-M2 routers are sigmoid")  # fmt: skip
+    _activation("minimax_m2", hf, "hidden_act", ("silu",))
+
+
+MINIMAX_M2 = GGUFSpec(
+    "MINIMAXM2", "minimax-m2", ("minimax_m2",), check=_minimax_m2_check,
+    write_metadata=_minimax_m2_metadata, extra_tensors=_no_tensors,
+    transforms=(  # the bias buffer's name, as the gguf table's (...e_score_correction.bias)
+        TensorTransform(
+            ("mlp.e_score_correction_bias",),
+            lambda cfg, name, t: [(name.removesuffix("_bias") + ".bias", t.float())],
+            lambda cfg, name, parts: iter([(name, parts[0])]),
+        ),
+    ),
+)  # fmt: skip
 OLMO3 = GGUFSpec(
     "OLMO2", "olmo2", ("olmo3",), write_metadata=_olmo3_metadata, extra_tensors=_no_tensors
 )
@@ -377,5 +408,5 @@ COHERE2 = GGUFSpec(
 )  # fmt: skip
 
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3,
-         LFM2, COHERE2)  # fmt: skip
+         LFM2, COHERE2, MINIMAX_M2)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}

@@ -359,4 +359,16 @@ def save(model: GenericCausalLM, out) -> None:
         model.hf.config.use_cache = False
 
 
-SPEC = FamilySpec("generic", config_from_hf, build, WeightMap, load)
+class GenericWeights(WeightMap):
+    """transformers' own names; the state adds the persistent buffers transformers saves too
+    (a sigmoid router's `e_score_correction_bias`: MiniMax-M2, DeepSeek-V3, GLM-4 MoE)."""
+
+    def hf_state(self, model: nn.Module):
+        yield from super().hf_state(model)
+        for path, module in model.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    yield f"{path}.{name}" if path else name, buf.detach()
+
+
+SPEC = FamilySpec("generic", config_from_hf, build, GenericWeights, load)
