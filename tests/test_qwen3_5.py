@@ -14,7 +14,7 @@ import torch
 from helpers.models import shifted_labels
 from helpers.tiny_hf import tiny_config
 
-from slipstream.checkpoint.adapter import save_adapter
+from slipstream.checkpoint.adapter import load_adapter, save_adapter
 from slipstream.checkpoint.export import export_merged
 from slipstream.checkpoint.hf import load_model
 from slipstream.debug import count_syncs
@@ -157,7 +157,8 @@ def _randomised_lora(path, targets="all-linear"):
 
 def test_lora_on_every_linear_round_trips_through_peft(checkpoint, tmp_path):
     """all-linear LoRA (the DeltaNet projections too; expert LoRA on the MoE) saved by us,
-    loaded by peft on transformers' model: the same logits and the same linear gradients."""
+    loaded by peft on transformers' model: the same logits and the same linear gradients;
+    loaded back into ours: the same logits."""
     from peft import PeftModel
 
     model_type, path = checkpoint
@@ -175,6 +176,8 @@ def test_lora_on_every_linear_round_trips_through_peft(checkpoint, tmp_path):
     ours.loss(ids, labels, seq, reduction="sum").backward()
     with torch.no_grad():
         assert _rel(ours(ids, seq), logits_ref) < 1e-4
+        back = load_adapter(load_model(path), tmp_path / "adapter")  # and back into ours
+        torch.testing.assert_close(back(ids, seq), ours(ids, seq))
     theirs = {n.replace(".default", ""): p.grad for n, p in pm.named_parameters()}
     grads = {
         f"base_model.model.{n}": p.grad
