@@ -38,6 +38,9 @@ def _fields(reader) -> dict:
     return out
 
 
+GRANITE = dict(
+    attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
+)  # not 1: a scale left out or swapped shows
 # model_type -> (llama.cpp architecture, experts, tensors per layer, Q/K permuted, overrides)
 LAYOUT = {
     "olmo2": ("olmo2", None, 11, False, {}),  # q/k/v/o, q/k norms, gate/up/down, 2 post-norms
@@ -47,7 +50,8 @@ LAYOUT = {
     "starcoder2": ("starcoder2", None, 16, False, {"sliding_window": None}),  # + 8 biases
     "stablelm": ("stablelm", None, 11, False, {}),  # q/k/v/o, gate/up/down, 2 LayerNorms
     "phi": ("phi2", None, 14, False, {"num_key_value_heads": 4}),  # + biases, 1 LayerNorm
-    "granite": ("granite", None, 9, True, {}),
+    "granite": ("granite", None, 9, True, GRANITE),
+    "granitemoe": ("granitemoe", 4, 10, True, GRANITE),  # mixtral's
     "smollm3": ("smollm3", None, 9, True, {}),
     "lfm2": ("lfm2", None, 8, False, {}),  # conv layer: 3 shortconv, gate/up/down, 2 norms
     "olmo3": ("olmo2", None, 11, False, {"sliding_window": 8}),  # as olmo2
@@ -114,7 +118,8 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     norm = torch.from_numpy(tensors[names.get_name(hf_name, try_suffixes=(".weight",))].data.copy())
     torch.testing.assert_close(norm, hf_norm + 1 if model_type == "gemma2" else hf_norm)
     if experts:
-        gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]  # (E, 2I, D), gate first
+        block = "block_sparse_moe" if model_type == "granitemoe" else "mlp"
+        gate_up = state[f"model.layers.0.{block}.experts.gate_up_proj"]  # (E, 2I, D), gate first
         up = torch.from_numpy(tensors["blk.0.ffn_up_exps.weight"].data.copy())
         torch.testing.assert_close(up, gate_up[:, gate_up.shape[1] // 2 :])
         assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
@@ -147,12 +152,13 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
-    if model_type == "granite":
+    if model_type in ("granite", "granitemoe"):
+        arch = "granitemoe" if model_type == "granitemoe" else "granite"
         for key, attr in [("attention.scale", "attention_multiplier"),
                           ("embedding_scale", "embedding_multiplier"),
                           ("residual_scale", "residual_multiplier"),
                           ("logit_scale", "logits_scaling")]:  # fmt: skip
-            assert fields[f"granite.{key}"] == [pytest.approx(getattr(hf, attr))], key
+            assert fields[f"{arch}.{key}"] == [pytest.approx(getattr(hf, attr))], key
 
 
 def test_transformers_reads_a_generic_qwen2_moe_gguf_back(tmp_path, quiet, tokenizer):  # noqa: F811

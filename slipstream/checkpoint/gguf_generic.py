@@ -20,6 +20,10 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   `layer_norm_epsilon`; StableLM's parallel residual flag; partial rotary dims. Refused:
   a StarCoder2 sliding window (llama.cpp's starcoder2 attends over everything) or no biases,
   per-head q/k norms (StableLM, Phi), Phi with grouped K/V (llama.cpp's phi2 has none).
+- granitemoe: GRANITE_MOE: granite's, with transformers 5's `block_sparse_moe` names put into
+  the table's (router as `router.layer`, the stacked experts split into gate/up as Mixtral's);
+  llama.cpp routes by softmax with the top-k renormalised, as transformers' softmax over the
+  top-k logits.
 - granite, smollm3: llama-style RoPE, so Q/K rows permuted per head as native llama's are;
   Granite's four multipliers (attention, embedding, residual, logits) under llama.cpp's scale
   keys (head_dim must be D/H: llama.cpp derives it); SmolLM3 with llama.cpp's fixed NoPE
@@ -52,6 +56,7 @@ No torch import at module level (gguf_spec.py says why).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows
@@ -250,6 +255,31 @@ def _granite_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_logit_scale(float(hf["logits_scaling"]))
 
 
+def _split_moe(cfg: Any, name: str, t: Any) -> list[tuple[str, Any]]:
+    """granitemoe's (E, 2F, D) [gate; up] under the names the gguf table maps."""
+    half, base = t.shape[1] // 2, name.removesuffix("block_sparse_moe.experts.gate_up_proj")
+    return [(base + "mlp.experts.gate_proj.weight", t[:, :half]),
+            (base + "mlp.experts.up_proj.weight", t[:, half:])]  # fmt: skip
+
+
+def _join_moe(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    yield name, torch.cat(parts, dim=1)
+
+
+def _granitemoe_check(cfg: Any, hf: dict) -> None:
+    _granite_check(cfg, hf)
+    if hf.get("shared_intermediate_size"):
+        _refuse("granitemoe", "a shared expert", "its shared MLP is not written here")
+
+
+def _granitemoe_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    _granite_metadata(w, cfg, hf)
+    w.add_expert_count(int(hf["num_local_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+
+
 def _smollm3_check(cfg: Any, hf: dict) -> None:
     L = cfg.num_hidden_layers
     fixed = [int((i + 1) % 4 != 0) for i in range(L)]  # 0: no RoPE on that layer
@@ -287,6 +317,24 @@ PHI2 = GGUFSpec(
 GRANITE = GGUFSpec(
     "GRANITE", "granite", ("granite",), check=_granite_check, write_metadata=_granite_metadata,
     extra_tensors=_no_tensors, transforms=_llama_rows("weight", "bias"),
+)  # fmt: skip
+GRANITEMOE = GGUFSpec(
+    "GRANITE_MOE", "granitemoe", ("granitemoe",), check=_granitemoe_check,
+    write_metadata=_granitemoe_metadata, extra_tensors=_no_tensors,
+    transforms=(
+        *_llama_rows("weight", "bias"),
+        TensorTransform(
+            ("block_sparse_moe.router.weight",),
+            lambda cfg, name, t: [(name.replace(".router.", ".router.layer."), t)],
+            lambda cfg, name, parts: iter([(name, parts[0])]),
+        ),
+        TensorTransform(("block_sparse_moe.experts.gate_up_proj",), _split_moe, _join_moe),
+        TensorTransform(
+            ("block_sparse_moe.experts.down_proj",),
+            lambda cfg, name, t: [(name.replace("block_sparse_moe.", "mlp.") + ".weight", t)],
+            lambda cfg, name, parts: iter([(name, parts[0])]),
+        ),
+    ),
 )  # fmt: skip
 SMOLLM3 = GGUFSpec(
     "SMOLLM3", "smollm3", ("smollm3",), check=_smollm3_check, write_metadata=rope_from_hf,
@@ -407,6 +455,7 @@ COHERE2 = GGUFSpec(
     extra_tensors=_no_tensors,
 )  # fmt: skip
 
-SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, SMOLLM3,
+SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
+         SMOLLM3,
          LFM2, COHERE2, MINIMAX_M2)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
