@@ -393,7 +393,8 @@ def test_a_dpo_run_on_a_generic_model(tmp_path, quiet):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(8)))
     raw = run_config((model_dir, pairs), tmp_path / "dpo", objective="dpo", steps=2, lr=1e-2)
-    raw["lora"] = {"method": "lora", "rank": 4}
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4}
     raw["train"]["tokens_per_batch"] = 256
     raw["data"].pop("eval_fraction", None)
     summary = train(config_from_dict(raw))
