@@ -154,6 +154,11 @@ def test_kto_matches_trl(setup, kind, options, implementation):
             "logps/rejected"]  # fmt: skip
     for key in keys:
         assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=1e-5), key
+    assert "entropy" in theirs and ("logits/chosen" in theirs or "logits/rejected" in theirs)
+    for key in ("entropy", "logits/chosen", "logits/rejected"):  # from the chunked head
+        assert (key in ours) == (key in theirs), key
+        if key in theirs:
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=1e-5), key
     if objective.with_kl:  # in play for the chat and paired rows; clamped to 0 for the text
         assert (theirs["kl"] > 0) == (kind != "unpaired_text"), theirs["kl"]
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}

@@ -160,19 +160,20 @@ def test_preference_data_with_sft_is_one_line():
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_token_logps_equal_log_softmax(chunk, with_entropy):
+@pytest.mark.parametrize("with_stats", [False, True])
+def test_token_logps_equal_log_softmax(chunk, with_stats):
     torch.manual_seed(0)
     h = torch.randn(23, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
     y = torch.randint(0, 50, (23,))
-    got = linear_token_logps(h, w, y, chunk_size=chunk, with_entropy=with_entropy)
+    got = linear_token_logps(h, w, y, chunk_size=chunk, with_stats=with_stats)
     logp = torch.log_softmax(h @ w.T, -1)
     want = logp.gather(1, y[:, None])[:, 0]
-    if with_entropy:  # each row's entropy, detached; the log-probs and grads unchanged
-        got, entropy = got
-        torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1).detach())
-        assert not entropy.requires_grad
+    if with_stats:  # each row's entropy and mean logit, detached; log-probs, grads unchanged
+        got, stats = got
+        torch.testing.assert_close(stats["entropy"], -(logp.exp() * logp).sum(-1).detach())
+        torch.testing.assert_close(stats["mean_logit"], (h @ w.T).mean(-1).detach())
+        assert not any(v.requires_grad for v in stats.values())
     torch.testing.assert_close(got, want)
     g = torch.randn(23)
     got_grads = torch.autograd.grad((got * g).sum(), (h, w))

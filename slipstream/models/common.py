@@ -347,17 +347,17 @@ class CausalLM(nn.Module):
         cross-entropy) and, when added, `aux_loss` (aux, times N for "sum").
         `temperature` (reduction "none" only): log-probs of logits / temperature (GRPO scores
         completions under the distribution they were sampled from, as TRL does).
-        With reduction "none", `return_parts` -> (cross-entropy_N, {"entropy": (N,) the
-        entropy of each scored position's (tempered) distribution, detached}).
+        With reduction "none", `return_parts` -> (cross-entropy_N, {"entropy", "mean_logit":
+        (N,) each scored position's (tempered) softmax entropy and mean logit, detached}).
         """
         check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
         h_TD, router_stats = self.model(input_ids_T, seq)
         loss = head_loss(
             h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature,
-            self.logit_softcap, with_entropy=return_parts and reduction == "none",
+            self.logit_softcap, with_stats=return_parts and reduction == "none",
         )  # fmt: skip
         if reduction == "none":
-            return (loss[0], {"entropy": loss[1]}) if return_parts else loss
+            return loss
         parts = {"lm_loss": loss.detach()}
         if router_stats and self.router_aux_loss_coef > 0:  # a Python float: no sync
             aux = load_balancing_loss(router_stats, input_ids_T.shape[0])
@@ -388,11 +388,11 @@ def head_loss(
     label_positions: torch.Tensor | None,
     temperature: float = 1.0,
     softcap: float | None = None,
-    with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`loss`'s cross-entropy of the final hidden states (see CausalLM.loss); a head whose
     logits are scaled takes `h_TD` pre-scaled (no bias: (s h) W^T = s logits).
-    `with_entropy` (reduction "none"): -> (cross-entropy_N, entropy_N detached)."""
+    `with_stats` (reduction "none"): -> (cross-entropy_N, {"entropy", "mean_logit": (N,)})."""
     if label_positions is not None:
         _check_positions(label_positions, labels_T)
         # The head costs 6*V*D FLOPs a row in training (V*D = 28M for SmolLM2, 156M for
@@ -407,8 +407,8 @@ def head_loss(
         if temperature != 1.0:  # the head has no bias: (h / T) W^T = logits / T
             h_TD = h_TD / temperature
         out = linear_token_logps(h_TD, weight_VD, labels_T, softcap=softcap,
-                                 with_entropy=with_entropy)  # fmt: skip
-        return (-out[0], out[1]) if with_entropy else -out
+                                 with_stats=with_stats)  # fmt: skip
+        return (-out[0], out[1]) if with_stats else -out
     return linear_cross_entropy(h_TD, weight_VD, labels_T, reduction=reduction, softcap=softcap)
 
 

@@ -334,10 +334,10 @@ class GenericCausalLM(nn.Module):
             h_TD = h_TD * self.logit_scale
         loss = head_loss(
             h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature,
-            self.softcap, with_entropy=return_parts and reduction == "none",
+            self.softcap, with_stats=return_parts and reduction == "none",
         )  # fmt: skip
         if reduction == "none":
-            return (loss[0], {"entropy": loss[1]}) if return_parts else loss
+            return loss
         parts = {"lm_loss": loss.detach()}
         if aux_on:  # one batch of the T packed tokens, as transformers' unpadded batch
             fn, num_experts, k = self.router_loss

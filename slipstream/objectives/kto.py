@@ -18,8 +18,10 @@ not: 2 ranks give what one process gives with the same micro-batches.
 Metrics, TRL's names: `kl` (the mean of the micro-batches' z), `rewards/chosen`,
 `rewards/rejected` (beta * lr, means over desirable / undesirable examples), their
 difference `rewards/margins`, `logps/chosen`, `logps/rejected` (summed completion log-probs,
-the same means), `count/desirable` (the share of desirable examples). TRL's `logits/*` and
-`entropy` need the full logits, which the chunked head never builds, and are not logged.
+the same means), `count/desirable` (the share of desirable examples), `entropy` (the
+policy's, a token mean over the completion tokens) and `logits/chosen`, `logits/rejected`
+(the mean logit over the vocabulary, token means over each class's completion tokens), both
+from the same chunks of logits as the policy's log-probs (ops/loss.py, `with_stats`).
 
 Forwards per micro-batch: the policy on the examples (with gradient); the policy on the KL
 sequences and the reference on both (no gradient). The reference with LoRA is the same model
@@ -76,7 +78,8 @@ class KTO(Objective):
     name = "kto"
     perplexity = False
     metric_names = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen",
-                    "logps/rejected", "count/desirable")  # fmt: skip
+                    "logps/rejected", "count/desirable", "entropy", "logits/chosen",
+                    "logits/rejected", "tokens/chosen", "tokens/rejected")  # fmt: skip
 
     def __init__(self, cfg: Any = None, **options: Any) -> None:
         """From a RunConfig (the `kto` section, data options) or keyword options (beta,
@@ -134,8 +137,12 @@ class KTO(Objective):
         """Loss summed over the batch's examples and metric sums (device tensors, no sync)."""
         if self.reference is None:
             raise RuntimeError("KTO needs a reference policy: call attach() first")
-        n = batch.num_examples
-        logps = self.sequence_logps(model, batch.main, n)
+        n, main = batch.num_examples, batch.main
+        nll_N, stats = model.loss(
+            main.input_ids, main.labels, main.seq, reduction="none",
+            label_positions=main.positions, return_parts=True,
+        )  # fmt: skip
+        logps = segment_sums(-nll_N, main.segments, n)
         kl = torch.zeros((), device=logps.device)
         with self.reference.active() as ref_model:
             ref_logps = self.sequence_logps(ref_model, batch.main, n)
@@ -150,7 +157,13 @@ class KTO(Objective):
         )  # fmt: skip
         d, shown = batch.desirable, logps.detach()
         u = 1 - d
+        d_N = d.index_select(0, main.segments)  # per scored token: its example's class
         return loss_N.sum(), {
+            "entropy": stats["entropy"].sum(),
+            "logits/chosen": (stats["mean_logit"] * d_N).sum(),
+            "logits/rejected": (stats["mean_logit"] * (1 - d_N)).sum(),
+            "tokens/chosen": d_N.sum(),
+            "tokens/rejected": (1 - d_N).sum(),
             "kl": kl * n,
             "rewards/chosen": (rewards * d).sum(),
             "rewards/rejected": (rewards * u).sum(),
@@ -170,4 +183,10 @@ class KTO(Objective):
                     out[f"{what}/{side}"] = sums[f"{what}/{side}"] / count
         if chosen > 0 and rejected > 0:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        tokens = {side: sums.get(f"tokens/{side}", 0) for side in ("chosen", "rejected")}
+        if "entropy" in sums:  # token means (TRL's)
+            out["entropy"] = sums["entropy"] / max(sum(tokens.values()), 1)
+        for side, count in tokens.items():
+            if count > 0:
+                out[f"logits/{side}"] = sums[f"logits/{side}"] / count
         return out

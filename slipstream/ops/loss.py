@@ -183,12 +183,13 @@ def linear_token_logps(
     *,
     chunk_size: int | None = None,
     softcap: float | None = None,
-    with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """log softmax(hidden_ND @ weight_VD.T)[n, targets_N[n]] for each row, in float32: (N,).
-    softcap: of softcap * tanh(logits / softcap), as `linear_cross_entropy`. `with_entropy`:
-    -> (log-probs, each row's entropy of that softmax (N,), detached), from the same chunk of
-    logits (TRL's RL trainers log it).
+    softcap: of softcap * tanh(logits / softcap), as `linear_cross_entropy`. `with_stats`:
+    -> (log-probs, {"entropy": each row's entropy of that softmax, "mean_logit": its logits'
+    mean over the vocabulary}, (N,) each, detached), from the same chunk of logits (TRL's
+    trainers log them: `entropy`, KTO's `logits/*`).
 
     For objectives that need each token's log-prob (per-sequence sums in DPO, ratios in RL),
     not one summed loss. Rows go through the head in chunks of at most 2**26 float32 logits;
@@ -202,7 +203,7 @@ def linear_token_logps(
         )
     rows = chunk_size or max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
     targets_N = targets_N.long()
-    fn = _token_logps_entropy if with_entropy else _token_logps
+    fn = _token_logps_stats if with_stats else _token_logps
     if hidden_ND.shape[0] <= rows:
         return fn(hidden_ND, weight_VD, targets_N, softcap)
     from torch.utils.checkpoint import checkpoint
@@ -213,8 +214,9 @@ def linear_token_logps(
         else fn(h, weight_VD, y, softcap)
         for h, y in zip(hidden_ND.split(rows), targets_N.split(rows), strict=True)
     ]
-    if with_entropy:
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if with_stats:
+        stats = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
+        return torch.cat([p[0] for p in parts]), stats
     return torch.cat(parts)
 
 
@@ -226,15 +228,18 @@ def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, soft
     return picked_C - torch.logsumexp(logits_CV, dim=-1)
 
 
-def _token_logps_entropy(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, softcap=None):
-    """`_token_logps` and each row's softmax entropy, -sum_v p_v log p_v (detached; TRL's
-    `entropy_from_logits`: lse - sum_v p_v z_v would cancel on confident rows)."""
+def _token_logps_stats(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, softcap=None):
+    """`_token_logps` and each row's softmax entropy, -sum_v p_v log p_v (TRL's
+    `entropy_from_logits`: lse - sum_v p_v z_v would cancel on confident rows), and its mean
+    logit, both detached."""
     logits_CV = linear_frozen(h_CD, w_VD).float()
     if softcap is not None:
         logits_CV = torch.tanh(logits_CV / softcap) * softcap
     picked_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
     lse_C = torch.logsumexp(logits_CV, dim=-1)
     with torch.no_grad():  # two more (C, V) arrays; the row dot product makes none
-        logp_CV = logits_CV.detach() - lse_C.detach()[:, None]
+        z_CV = logits_CV.detach()
+        logp_CV = z_CV - lse_C.detach()[:, None]
         entropy_C = -torch.einsum("cv,cv->c", logp_CV.exp(), logp_CV)
-    return picked_C - lse_C, entropy_C
+        stats = {"entropy": entropy_C, "mean_logit": z_CV.mean(dim=-1)}
+    return picked_C - lse_C, stats
