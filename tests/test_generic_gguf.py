@@ -56,6 +56,9 @@ LAYOUT = {
     "lfm2": ("lfm2", None, 8, False, {}),  # conv layer: 3 shortconv, gate/up/down, 2 norms
     "olmo3": ("olmo2", None, 11, False, {"sliding_window": 8}),  # as olmo2
     "minimax_m2": ("minimax-m2", 4, 13, False, {}),  # mixtral's + q/k norms, router bias
+    # glm4_moe: a dense layer 0 (q/k/v/o + 3 biases, q/k norms, gate/up/down, 2 norms: 14),
+    # a MoE layer 1 (19: router, its bias, 3 expert stacks, 3 shared-expert projections)
+    "glm4_moe": ("glm4moe", 4, 14, False, {"attention_bias": True, "use_qk_norm": True}),
     "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
                 "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
 }  # fmt: skip
@@ -69,7 +72,8 @@ def _arch_enum(name: str):
 
 
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
-OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2}
+OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
+           "glm4_moe": 3 + 5}  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -117,12 +121,13 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     hf_norm = state[hf_name]  # Gemma's 1 + w, stored
     norm = torch.from_numpy(tensors[names.get_name(hf_name, try_suffixes=(".weight",))].data.copy())
     torch.testing.assert_close(norm, hf_norm + 1 if model_type == "gemma2" else hf_norm)
-    if experts:
-        block = "block_sparse_moe" if model_type == "granitemoe" else "mlp"
-        gate_up = state[f"model.layers.0.{block}.experts.gate_up_proj"]  # (E, 2I, D), gate first
-        up = torch.from_numpy(tensors["blk.0.ffn_up_exps.weight"].data.copy())
+    if experts:  # the first MoE layer (glm4_moe's layer 0 is dense)
+        key = next(n for n in state if n.endswith("experts.gate_up_proj"))
+        gate_up, i = state[key], key.split(".")[2]  # (E, 2I, D), gate first
+        up = torch.from_numpy(tensors[f"blk.{i}.ffn_up_exps.weight"].data.copy())
         torch.testing.assert_close(up, gate_up[:, gate_up.shape[1] // 2 :])
-        assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        router = tensors[f"blk.{i}.ffn_gate_inp.weight"]
+        assert router.tensor_type == gguf.GGMLQuantizationType.F32
     assert len(tensors) == OUTSIDE.get(model_type, 3) + 2 * per_layer
 
 
@@ -149,6 +154,16 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
         assert fields["cohere2.logit_scale"] == [pytest.approx(hf.logit_scale)]
         assert fields["cohere2.attention.sliding_window"] == [hf.sliding_window]
         assert fields["cohere2.attention.layer_norm_epsilon"] == [pytest.approx(hf.layer_norm_eps)]
+    if model_type == "glm4_moe":
+        for key, want in [
+            ("expert_shared_count", hf.n_shared_experts),
+            ("leading_dense_block_count", hf.first_k_dense_replace),
+            ("expert_feed_forward_length", hf.moe_intermediate_size),
+            ("expert_gating_func", 2),  # gguf.ExpertGatingFuncType.SIGMOID
+            ("expert_weights_norm", hf.norm_topk_prob),
+            ("rope.dimension_count", 16 // 2),
+        ]:  # fmt: skip (half the head)
+            assert fields[f"glm4moe.{key}"] == [want], key
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -222,11 +237,9 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    glm = _generic(tmp_path, "glm4_moe")
-    with pytest.raises(
-        ValueError, match="model_type .glm4_moe. has no llama.cpp architecture"
-    ) as e:
-        export_gguf(glm, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
+    other = _generic(tmp_path, "ernie4_5_moe")
+    with pytest.raises(ValueError, match="model_type .ernie4_5_moe. has no llama.cpp arch") as e:
+        export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
     with pytest.raises(ValueError, match="'llama' built by transformers' modeling code"):
@@ -246,6 +259,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("granite", {"head_dim": 4}, "granite with head_dim=4"),
         ("cohere2", {"layer_types": ["sliding_attention"] * 2}, "cohere2 with an untied lm_head"),
         ("cohere2", {"tie_word_embeddings": True}, r"cohere2 with layer_types \[.*\]"),
+        ("glm4_moe", {"n_group": 2, "topk_group": 2}, "glm4_moe with n_group=2, topk_group=2"),
     ]
     for i, (model_type, overrides, match) in enumerate(cases):
         model = _generic(tmp_path / str(i), model_type, **overrides)

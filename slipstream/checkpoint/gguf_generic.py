@@ -38,6 +38,10 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
 - minimax_m2: MINIMAXM2 (llama.cpp's `minimax-m2`): the stacked experts split as Mixtral's,
   the router's sigmoid gating and its score-correction bias (`exp_probs_b.bias`, a buffer in
   transformers), full-width q/k norms, partial rotary dims, the expert width.
+- glm4_moe: GLM4_MOE (after conversion/glm.py): NeoX partial RoPE (no permutation), the
+  leading dense layers, routed and shared experts, sigmoid gating with the score-correction
+  bias, routed scaling and top-k renormalisation under llama.cpp's keys; no NextN/MTP layers
+  (transformers builds none); group-limited routing (n_group > 1) refused.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -419,6 +423,42 @@ def _cohere2_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_sliding_window(int(hf["sliding_window"]))
 
 
+# A sigmoid router's score-correction bias (a buffer: GenericWeights yields it) under the gguf
+# table's name, ...e_score_correction.bias, which llama.cpp calls blk.N.exp_probs_b.bias.
+SCORE_BIAS = TensorTransform(
+    ("e_score_correction_bias",),
+    lambda cfg, name, t: [(name.removesuffix("_bias") + ".bias", t.float())],
+    lambda cfg, name, parts: iter([(name, parts[0])]),
+)
+
+
+def _glm4_moe_check(cfg: Any, hf: dict) -> None:
+    if int(hf.get("n_group") or 1) > 1 or int(hf.get("topk_group") or 1) > 1:
+        _refuse("glm4_moe", f"n_group={hf.get('n_group')}, topk_group={hf.get('topk_group')}",
+                "llama.cpp's glm4moe gets no expert groups from this file")  # fmt: skip
+    _activation("glm4_moe", hf, "hidden_act", ("silu",))
+
+
+def _glm4_moe_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    import gguf
+
+    rope_from_hf(w, cfg, hf)  # partial rotary (0.5 in GLM-4.5), NeoX: no permutation
+    w.add_expert_count(int(hf["n_routed_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+    w.add_expert_shared_count(int(hf.get("n_shared_experts") or 0))
+    w.add_leading_dense_block_count(int(hf.get("first_k_dense_replace") or 0))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(hf.get("routed_scaling_factor") or 1.0))
+    w.add_expert_weights_norm(bool(hf.get("norm_topk_prob")))
+
+
+GLM4_MOE = GGUFSpec(
+    "GLM4_MOE", "glm4moe", ("glm4_moe",), check=_glm4_moe_check,
+    write_metadata=_glm4_moe_metadata, extra_tensors=_no_tensors, transforms=(SCORE_BIAS,),
+)  # fmt: skip
+
+
 def _minimax_m2_metadata(w: Any, cfg: Any, hf: dict) -> None:
     import gguf
 
@@ -439,13 +479,7 @@ def _minimax_m2_check(cfg: Any, hf: dict) -> None:
 MINIMAX_M2 = GGUFSpec(
     "MINIMAXM2", "minimax-m2", ("minimax_m2",), check=_minimax_m2_check,
     write_metadata=_minimax_m2_metadata, extra_tensors=_no_tensors,
-    transforms=(  # the bias buffer's name, as the gguf table's (...e_score_correction.bias)
-        TensorTransform(
-            ("mlp.e_score_correction_bias",),
-            lambda cfg, name, t: [(name.removesuffix("_bias") + ".bias", t.float())],
-            lambda cfg, name, parts: iter([(name, parts[0])]),
-        ),
-    ),
+    transforms=(SCORE_BIAS,),
 )  # fmt: skip
 OLMO3 = GGUFSpec(
     "OLMO2", "olmo2", ("olmo3",), write_metadata=_olmo3_metadata, extra_tensors=_no_tensors
@@ -457,5 +491,5 @@ COHERE2 = GGUFSpec(
 
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3,
-         LFM2, COHERE2, MINIMAX_M2)  # fmt: skip
+         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
