@@ -8,7 +8,8 @@ tests/helpers/tiny_vlm.py):
   each image's rows attend to one another (SeqInfo.image_spans), causal elsewhere, on sliding
   and full layers;
 - Idefics3 (`idefics3`): images split into crops plus a global view, each crop its own row of
-  the tower's batch.
+  the tower's batch; SmolVLM (`smolvlm`) the same, its placeholders by transformers' own
+  `get_image_prompt_string` (its processor class builds a video processor: torchvision).
 
 Per type: loss and every LoRA gradient equal transformers + peft (1e-4 rel) on a micro-batch
 of several images of different sizes and a text row; packed equals each example alone; greedy
@@ -30,7 +31,8 @@ import slipstream
 from slipstream.data import collate, tokenize_rows
 from slipstream.data.vision import ImageExample, ImageProcessing, image_inputs
 
-KINDS = ["qwen3_vl", "gemma3", "idefics3"]
+KINDS = ["qwen3_vl", "gemma3", "idefics3", "smolvlm"]
+NO_PROCESSOR = ("qwen3_vl", "smolvlm")  # their processor classes need torchvision here
 SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
 
 
@@ -98,6 +100,26 @@ def test_image_tokens_and_inputs(vlm):
         crops = ref["pixel_attention_mask"][0].flatten(1).any(1)  # the real crops
         ours = image_rows[2].images["pixel_values"]
         torch.testing.assert_close(ours, ref["pixel_values"][0][crops][:, :, : ours.shape[-2]])
+    elif kind == "smolvlm":  # our placeholders == SmolVLMProcessor's rule, crops counted
+        from types import SimpleNamespace
+
+        assert side.processor is None and len(set(counts)) > 1
+        standin = SimpleNamespace(
+            image_seq_len=4, fake_image_token="<fake_token_around_image>", image_token="<image>",
+            global_image_token="<global-img>",
+        )  # fmt: skip
+        row = _row(SIZES[2], "Three.", 2)
+        expected = []
+        for image in row["images"]:
+            out = side.image_processor(images=[image], return_row_col_info=True)
+            text = transformers.SmolVLMProcessor.replace_image_token(standin, out, 0)
+            expected.append(tok_ids(side, text))
+        got, rows = image_rows[2].input_ids, image_rows[2].image_spans()
+        assert [n for n in image_rows[2].image_tokens] == [e.count(side.image_token_id)
+                                                           for e in expected]  # fmt: skip
+        flat = [i for e in expected for i in e]
+        start = got.index(flat[0])
+        assert got[start : start + len(flat)] == flat and rows
     else:  # Qwen3-VL: grids of different sizes, 3-D positions equal transformers'
         assert len(set(counts)) > 1 and side.processor is None
         hf = _hf(folder)
@@ -192,11 +214,12 @@ def test_greedy_generation_with_an_image_equals_transformers_generate(vlm):
 
 def _prompt_inputs(kind, folder, tok, side, messages):
     """transformers' generate inputs for a chat prompt: its processor's, or (Qwen3-VL, whose
-    processor class needs torchvision) our ids, tested equal to its rule elsewhere."""
+    processor class needs torchvision; SmolVLM's likewise) our ids, tested equal to its rule
+    elsewhere."""
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     content = messages[0]["content"]
     images = [p["image"] for p in content if isinstance(p, dict) and p["type"] == "image"]
-    if kind == "qwen3_vl":
+    if kind in NO_PROCESSOR:
         if not images:
             return {"input_ids": tok(text, add_special_tokens=False, return_tensors="pt").input_ids}
         return _hf_inputs(kind, side.encode_prompt(messages, tok), side)
@@ -220,3 +243,7 @@ def test_gemma3_image_rows_take_the_generic_path_and_text_rows_the_native_one(vl
     forced = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o",
                                 "model.implementation=native"])  # fmt: skip
     assert image_implementation(forced, examples) is None
+
+
+def tok_ids(side, text):
+    return side.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -105,6 +105,22 @@ def _pixtral(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str
     return (row * (height // patch))[: -len("[IMG_BREAK]")] + "[IMG_END]"
 
 
+def _smolvlm(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str:
+    """SmolVLMProcessor's own string for image i (its crops' grid, then the global view),
+    with the image_seq_len its processor_config.json gives."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tok, seq_len = side.tokenizer, side.processor_config.get("image_seq_len", 64)
+    rows = [r for row in processed["rows"] for r in row]
+    cols = [c for col in processed["cols"] for c in col]
+    return get_image_prompt_string(
+        rows[i], cols[i], seq_len,
+        fake_token_around_image=getattr(tok, "fake_image_token", "<fake_token_around_image>"),
+        image_token=getattr(tok, "image_token", "<image>"),
+        global_image_token=getattr(tok, "global_image_token", "<global-img>"),
+    )  # fmt: skip
+
+
 # model_type -> (placeholder the chat template prints, replacement for image i), for
 # processors that cannot be built without torchvision.
 RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], str]]] = {
@@ -112,6 +128,7 @@ RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], 
     "qwen2_5_vl": ("<|image_pad|>", _qwen_vl),
     "qwen3_vl": ("<|image_pad|>", _qwen_vl),
     "mistral3": ("[IMG]", _pixtral),
+    "smolvlm": ("<image>", _smolvlm),  # its processor class builds a video processor
 }
 
 
@@ -124,6 +141,8 @@ class ImageProcessing:
 
         config = _config_json(folder)
         self.config = config
+        self.tokenizer = tokenizer
+        self.processor_config = _config_json(folder, "processor_config.json")
         self.model_type = config.get("model_type")
         self.processor = None
         try:
@@ -269,8 +288,8 @@ def _hub_config_files(repo_id: str) -> Path:
         raise hub_error("model.path", repo_id, "processor", e) from None
 
 
-def _config_json(folder: str) -> dict:
-    path = Path(folder) / "config.json"
+def _config_json(folder: str, name: str = "config.json") -> dict:
+    path = Path(folder) / name
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

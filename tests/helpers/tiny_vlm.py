@@ -177,6 +177,20 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             text_config=transformers.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
             image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
         )  # fmt: skip
+    elif kind == "smolvlm":  # Idefics3's layout; its processor class needs torchvision (video)
+        tok = _tokenizer(out, IDEFICS3_TOKENS, "<image>")
+        processor = transformers.SmolVLMImageProcessor(
+            size={"longest_edge": 56}, max_image_size={"longest_edge": 28}
+        )
+        vision = transformers.SmolVLMVisionConfig(**VISION, image_size=28, patch_size=7)
+        config = transformers.SmolVLMConfig(
+            vision_config=vision.to_dict(),
+            text_config=transformers.LlamaConfig(vocab_size=len(tok), **TEXT).to_dict(),
+            image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
+        )  # fmt: skip
+        (out / "processor_config.json").write_text(
+            json.dumps({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"})
+        )
     else:
         raise ValueError(kind)
     processor.save_pretrained(out)
