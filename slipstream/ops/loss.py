@@ -228,6 +228,9 @@ def _token_logps(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, soft
     return picked_C - torch.logsumexp(logits_CV, dim=-1)
 
 
+_STATS_ELEMENTS = 1 << 22
+
+
 def _token_logps_stats(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, softcap=None):
     """`_token_logps` and each row's softmax entropy, -sum_v p_v log p_v (TRL's
     `entropy_from_logits`: lse - sum_v p_v z_v would cancel on confident rows), and its mean
@@ -237,9 +240,14 @@ def _token_logps_stats(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor
         logits_CV = torch.tanh(logits_CV / softcap) * softcap
     picked_C = logits_CV.gather(1, y_C[:, None]).squeeze(1)
     lse_C = torch.logsumexp(logits_CV, dim=-1)
-    with torch.no_grad():  # two more (C, V) arrays; the row dot product makes none
-        z_CV = logits_CV.detach()
-        logp_CV = z_CV - lse_C.detach()[:, None]
-        entropy_C = -torch.einsum("cv,cv->c", logp_CV.exp(), logp_CV)
+    with torch.no_grad():
+        z_CV, m_C = logits_CV.detach(), lse_C.detach()
+        # log p and p for a block of rows at a time: two (B, V) arrays of ~2**22 floats
+        # (32 MB) beside the chunk's logits, not two more of the chunk's size.
+        block = max(1, _STATS_ELEMENTS // z_CV.shape[1])
+        entropy_C = torch.cat([
+            -torch.einsum("cv,cv->c", lp.exp(), lp)
+            for lp in (z - m[:, None] for z, m in zip(z_CV.split(block), m_C.split(block)))
+        ])  # fmt: skip
         stats = {"entropy": entropy_C, "mean_logit": z_CV.mean(dim=-1)}
     return picked_C - lse_C, stats
