@@ -59,6 +59,8 @@ LAYOUT = {
     # glm4_moe: a dense layer 0 (q/k/v/o + 3 biases, q/k norms, gate/up/down, 2 norms: 14),
     # a MoE layer 1 (19: router, its bias, 3 expert stacks, 3 shared-expert projections)
     "glm4_moe": ("glm4moe", 4, 14, False, {"attention_bias": True, "use_qk_norm": True}),
+    # ernie4_5_moe: a dense layer 0 (9), a MoE layer 1 (14: router, bias, 3 + 3 projections)
+    "ernie4_5_moe": ("ernie4_5-moe", 4, 9, False, {}),
     "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
                 "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
 }  # fmt: skip
@@ -73,7 +75,7 @@ def _arch_enum(name: str):
 
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
-           "glm4_moe": 3 + 5}  # fmt: skip
+           "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5}  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -164,6 +166,11 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
             ("rope.dimension_count", 16 // 2),
         ]:  # fmt: skip (half the head)
             assert fields[f"glm4moe.{key}"] == [want], key
+    if model_type == "ernie4_5_moe":
+        for key, want in [("interleave_moe_layer_step", 1), ("leading_dense_block_count", 1),
+                          ("expert_shared_count", 2), ("expert_feed_forward_length", 16),
+                          ("expert_shared_feed_forward_length", 32)]:  # fmt: skip
+            assert fields[f"ernie4_5-moe.{key}"] == [want], key
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -237,8 +244,8 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    other = _generic(tmp_path, "ernie4_5_moe")
-    with pytest.raises(ValueError, match="model_type .ernie4_5_moe. has no llama.cpp arch") as e:
+    other = _generic(tmp_path, "deepseek_v3")
+    with pytest.raises(ValueError, match="model_type .deepseek_v3. has no llama.cpp arch") as e:
         export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
@@ -260,6 +267,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("cohere2", {"layer_types": ["sliding_attention"] * 2}, "cohere2 with an untied lm_head"),
         ("cohere2", {"tie_word_embeddings": True}, r"cohere2 with layer_types \[.*\]"),
         ("glm4_moe", {"n_group": 2, "topk_group": 2}, "glm4_moe with n_group=2, topk_group=2"),
+        ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe with use_bias=true"),
     ]
     for i, (model_type, overrides, match) in enumerate(cases):
         model = _generic(tmp_path / str(i), model_type, **overrides)

@@ -42,6 +42,10 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   leading dense layers, routed and shared experts, sigmoid gating with the score-correction
   bias, routed scaling and top-k renormalisation under llama.cpp's keys; no NextN/MTP layers
   (transformers builds none); group-limited routing (n_group > 1) refused.
+- ernie4_5_moe: ERNIE4_5_MOE (after conversion/ernie.py and src/models/ernie4-5-moe.cpp):
+  interleaved RoPE as HF stores it, softmax routing with the score-correction bias and top-k
+  renormalisation, the MoE interleave step and leading dense layers, shared experts at their
+  true width; refused: biases, partial rotary, MoE layers ending before the last layer.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -453,6 +457,47 @@ def _glm4_moe_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_expert_weights_norm(bool(hf.get("norm_topk_prob")))
 
 
+def _ernie_check(cfg: Any, hf: dict) -> None:
+    if hf.get("use_bias"):
+        _refuse("ernie4_5_moe", "use_bias=true", "llama.cpp's ernie4_5-moe has no o/MLP biases")
+    end = hf.get("moe_layer_end_index")
+    if end is not None and 0 <= int(end) < cfg.num_hidden_layers - 1:
+        _refuse("ernie4_5_moe", f"moe_layer_end_index={end}",
+                "llama.cpp's ernie4_5-moe keeps MoE layers to the last layer")  # fmt: skip
+    rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if rotary != 1.0:
+        _refuse("ernie4_5_moe", f"partial_rotary_factor={rotary}",
+                "llama.cpp's ernie4_5-moe rotates the whole head")  # fmt: skip
+    _activation("ernie4_5_moe", hf, "hidden_act", ("silu",))
+
+
+def _ernie_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)
+    w.add_expert_count(int(hf["moe_num_experts"]))
+    w.add_expert_used_count(int(hf["moe_k"]))
+    w.add_interleave_moe_layer_step(int(hf.get("moe_layer_interval") or 1))
+    w.add_leading_dense_block_count(int(hf.get("moe_layer_start_index") or 0))
+    w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+    shared = int(hf.get("moe_num_shared_experts") or 0)
+    w.add_expert_shared_count(shared)
+    # the shared MLP's true width, as transformers builds it (llama.cpp's converter writes
+    # intermediate_size // num_key_value_heads, the same number on the released models)
+    w.add_expert_shared_feed_forward_length(int(hf["moe_intermediate_size"]) * shared)
+
+
+ERNIE4_5_MOE = GGUFSpec(
+    "ERNIE4_5_MOE", "ernie4_5-moe", ("ernie4_5_moe",), check=_ernie_check,
+    write_metadata=_ernie_metadata, extra_tensors=_no_tensors,
+    transforms=(  # transformers 5 holds the bias (1, E) under the router (gate.moe_statics)
+        TensorTransform(
+            ("mlp.gate.moe_statics.e_score_correction_bias",),
+            lambda cfg, name, t: [(name.replace("gate.moe_statics.e_score_correction_bias",
+                                                "moe_statics.e_score_correction.bias"),
+                                   t.float().reshape(-1))],
+            lambda cfg, name, parts: iter([(name, parts[0].reshape(1, -1))]),
+        ),
+    ),
+)  # fmt: skip
 GLM4_MOE = GGUFSpec(
     "GLM4_MOE", "glm4moe", ("glm4_moe",), check=_glm4_moe_check,
     write_metadata=_glm4_moe_metadata, extra_tensors=_no_tensors, transforms=(SCORE_BIAS,),
@@ -491,5 +536,5 @@ COHERE2 = GGUFSpec(
 
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3,
-         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE)  # fmt: skip
+         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
