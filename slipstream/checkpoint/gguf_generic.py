@@ -38,10 +38,11 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
 - minimax_m2: MINIMAXM2 (llama.cpp's `minimax-m2`): the stacked experts split as Mixtral's,
   the router's sigmoid gating and its score-correction bias (`exp_probs_b.bias`, a buffer in
   transformers), full-width q/k norms, partial rotary dims, the expert width.
-- glm4_moe: GLM4_MOE (after conversion/glm.py): NeoX partial RoPE (no permutation), the
-  leading dense layers, routed and shared experts, sigmoid gating with the score-correction
-  bias, routed scaling and top-k renormalisation under llama.cpp's keys; no NextN/MTP layers
-  (transformers builds none); group-limited routing (n_group > 1) refused.
+- glm4_moe: GLM4_MOE (after conversion/glm.py and src/models/glm4-moe.cpp): NeoX partial
+  RoPE (no permutation), the leading dense layers, routed and shared experts, sigmoid gating
+  with the score-correction bias, routed scaling and top-k renormalisation under llama.cpp's
+  keys; no NextN/MTP layers (transformers builds none); group-limited routing (n_group > 1)
+  and no shared expert refused.
 - ernie4_5_moe: ERNIE4_5_MOE (after conversion/ernie.py and src/models/ernie4-5-moe.cpp):
   interleaved RoPE as HF stores it, softmax routing with the score-correction bias and top-k
   renormalisation, the MoE interleave step and leading dense layers, shared experts at their
@@ -440,6 +441,8 @@ def _glm4_moe_check(cfg: Any, hf: dict) -> None:
     if int(hf.get("n_group") or 1) > 1 or int(hf.get("topk_group") or 1) > 1:
         _refuse("glm4_moe", f"n_group={hf.get('n_group')}, topk_group={hf.get('topk_group')}",
                 "llama.cpp's glm4moe gets no expert groups from this file")  # fmt: skip
+    if not hf.get("n_shared_experts"):  # src/models/glm4-moe.cpp always adds the shared MLP
+        _refuse("glm4_moe", "no shared expert", "llama.cpp's glm4moe always runs one")
     _activation("glm4_moe", hf, "hidden_act", ("silu",))
 
 
