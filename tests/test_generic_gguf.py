@@ -268,6 +268,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("cohere2", {"tie_word_embeddings": True}, r"cohere2 with layer_types \[.*\]"),
         ("glm4_moe", {"n_group": 2, "topk_group": 2}, "glm4_moe with n_group=2, topk_group=2"),
         ("glm4_moe", {"n_shared_experts": 0}, "glm4_moe with no shared expert"),
+        ("minimax_m2", {"tie_word_embeddings": True}, "minimax_m2 with a tied lm_head"),
         ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe with use_bias=true"),
     ]
     for i, (model_type, overrides, match) in enumerate(cases):

@@ -35,9 +35,11 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   as HF already stores it (no permutation), on the sliding layers only, as transformers; the
   logit scale and window under its keys. llama.cpp fixes every 4th layer full and outputs
   through the token embedding: other configs are refused, as are attention biases.
-- minimax_m2: MINIMAXM2 (llama.cpp's `minimax-m2`): the stacked experts split as Mixtral's,
+- minimax_m2: MINIMAXM2 (llama.cpp's `minimax-m2`; conversion/minimax.py,
+  src/models/minimax-m2.cpp): the stacked experts split as Mixtral's,
   the router's sigmoid gating and its score-correction bias (`exp_probs_b.bias`, a buffer in
-  transformers), full-width q/k norms, partial rotary dims, the expert width.
+  transformers), full-width q/k norms, partial rotary dims, the expert width; a tied head is
+  refused (llama.cpp requires the output tensor).
 - glm4_moe: GLM4_MOE (after conversion/glm.py and src/models/glm4-moe.cpp): NeoX partial
   RoPE (no permutation), the leading dense layers, routed and shared experts, sigmoid gating
   with the score-correction bias, routed scaling and top-k renormalisation under llama.cpp's
@@ -518,6 +520,8 @@ def _minimax_m2_metadata(w: Any, cfg: Any, hf: dict) -> None:
 
 
 def _minimax_m2_check(cfg: Any, hf: dict) -> None:
+    if cfg.tie_word_embeddings:  # src/models/minimax-m2.cpp requires its own output tensor
+        _refuse("minimax_m2", "a tied lm_head", "llama.cpp's minimax-m2 loads a separate output")
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
         _refuse("minimax_m2", f"scoring_func={hf['scoring_func']}",
                 "transformers' and llama.cpp's MiniMax-M2 routers are sigmoid")  # fmt: skip
