@@ -16,6 +16,10 @@ Run:
 `check` greedy-decodes every held-out question with the trained adapter (our loader, which
 grows the base to the adapter's tokenizer) and counts replies that start with the new
 `<tool_call>` token id, end with `</tool_call>`'s, and whose JSON equals the reference.
+`peft RUN DATA` loads the adapter with peft on transformers' model of the GGUF (dequantised
+to a float32 HF folder, embedding resized to the adapter's tokenizer) and compares its logits
+with ours on the first 8 held-out prompts, and counts its greedy replies that open with
+`<tool_call>`.
 """
 
 from __future__ import annotations
@@ -96,6 +100,45 @@ def check(run: Path, data: Path, base: str | None) -> dict:
     return counts
 
 
+def peft_check(run: Path, data: Path, rows: int = 8) -> dict:
+    import tempfile
+    import warnings
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.checkpoint.adapter import load_adapter
+    from slipstream.checkpoint.gguf import gguf_tokenizer, smollm2_gguf_path
+    from slipstream.checkpoint.hf import load_model, save_model
+    from slipstream.checkpoint.tokenizer import load_tokenizer
+    from slipstream.ops.packing import SeqInfo
+
+    gguf, folder = smollm2_gguf_path(), tempfile.mkdtemp()
+    save_model(load_model(str(gguf), dtype=torch.float32), folder, tokenizer=gguf_tokenizer(gguf))
+    tokenizer = load_tokenizer(str(run))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf.resize_token_embeddings(len(tokenizer))
+        theirs = peft.PeftModel.from_pretrained(hf, run).eval()
+    ours = load_adapter(load_model(str(gguf), dtype=torch.float32), run).eval()
+    worst, opens = 0.0, 0
+    for line in data.read_text().splitlines()[:rows]:
+        ids = tokenizer.apply_chat_template(json.loads(line)["messages"][:1], tokenize=True,
+                                            add_generation_prompt=True)  # fmt: skip
+        ids_T = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"])
+        with torch.no_grad():
+            want = theirs(input_ids=ids_T[None]).logits[0]
+            got = ours(ids_T, SeqInfo.from_lengths([len(ids_T)]))
+            worst = max(worst, float((want - got).abs().max()))
+            out = theirs.generate(input_ids=ids_T[None], max_new_tokens=30, do_sample=False)
+        opens += tokenizer.decode(out[0, len(ids_T) :]).startswith(TOKENS[0])
+    result = {"rows": rows, "max_abs_logit_diff": worst, "peft_generate_opens": opens}
+    print(json.dumps(result))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -107,11 +150,16 @@ def main() -> None:
     c.add_argument("run", type=Path)
     c.add_argument("data", type=Path)
     c.add_argument("--base", default=None, help="the base model (default: the adapter's)")
+    f = sub.add_parser("peft")
+    f.add_argument("run", type=Path)
+    f.add_argument("data", type=Path)
     args = ap.parse_args()
     if args.command == "prepare":
         prepare(args.out, args.train_rows, args.eval_rows)
-    else:
+    elif args.command == "check":
         check(args.run, args.data, args.base)
+    else:
+        peft_check(args.run, args.data)
 
 
 if __name__ == "__main__":
