@@ -2,7 +2,8 @@
 on the same examples as one right-padded batch (what TRL's vision collator feeds the model).
 
 Run: `python benchmarks/bench_vision.py [--reps 3] [--json FILE]` (minutes on 2 cores),
-`--quick` (seconds, tiny shapes: a smoke run).
+`--quick` (seconds, tiny shapes: a smoke run); `--trl [--rows 480]`: against TRL's
+SFTTrainer itself, on a tiny Idefics3 (`trl_vs_ours`; about a minute).
 
 Model: a random Qwen2.5-VL (tests/helpers/tiny_vlm.py's, text hidden 32 x2 layers; the
 default run widens nothing: the tower and the padding are what differ), LoRA r4 on the
@@ -178,7 +179,7 @@ def trl_vs_ours(args) -> dict:
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rows", type=int, default=48)
@@ -186,7 +187,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--trl", action="store_true", help="against TRL's SFTTrainer (Idefics3)")
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.rows, args.tokens, args.reps = 8, 256, 1
     if args.trl:
@@ -194,7 +195,7 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
-        return
+        return report
     torch.manual_seed(0)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -244,6 +245,7 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import bench_packing  # noqa: E402
 import bench_peers  # noqa: E402
 import bench_qwen3_5  # noqa: E402
 import bench_syncs  # noqa: E402
+import bench_vision  # noqa: E402
 import common  # noqa: E402
 import gpu_suite  # noqa: E402
 
@@ -219,6 +220,14 @@ def test_generate_quick_tiny(capsys):
     assert [r["batch"] for r in rows] == [1, 16]
     assert [r["same tokens"] for r in rows] == ["1/1", "16/16"]  # greedy: both sides agree
     assert all(r["ours tok/s"] > 0 and r["transformers tok/s"] > 0 for r in rows)
+
+
+def test_vision_trl_quick(capsys):
+    """TRL's SFTTrainer and ours train on the same tokens of a tiny Idefics3 (~15 s)."""
+    row = bench_vision.main(["--trl", "--quick"])
+    assert row["trl_num_tokens"] == row["tokens"] > 0  # TRL's processor: the same ids
+    assert row["trl_padded_positions_est"] >= row["tokens"] and row["images"] > row["rows"] // 2
+    assert row["slipstream_s"] > 0 and row["trl_s"] > 0 and row["trl_steps"] > 0
 
 
 def test_dpo_quick(capsys):
