@@ -247,3 +247,40 @@ def test_gemma3_image_rows_take_the_generic_path_and_text_rows_the_native_one(vl
 
 def tok_ids(side, text):
     return side.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_gemma3_pan_and_scan_crops_train_as_transformers(tmp_path):
+    """Gemma 3's pan-and-scan (on in the image processor's config): a wide image becomes the
+    whole picture plus crops, each its own bidirectional span; loss and LoRA gradients equal
+    transformers + peft on those inputs."""
+    import json
+
+    folder = vlm_folder(tmp_path / "gemma3", "gemma3")
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["image_processor"].update(
+        do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=2,
+        pan_and_scan_min_ratio_to_activate=1.2,
+    )  # fmt: skip
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    rows = [_row([(28, 100)], "Wide.", 0), _row([(40, 40), (90, 30)], "Two.", 1)]
+    examples, _ = tokenize_rows(rows, tok, max_tokens=1024, images=side)
+    assert [n for ex in examples for n in ex.image_tokens] == [12, 4, 12]  # 1 + 2 crops
+    assert len(examples[0].image_spans()) == 3 and examples[0].images["pixel_values"].shape[0] == 3
+    # transformers' Gemma3Processor call never turns pan-and-scan on here (its own kwargs
+    # default wins over the config), so the crops' text is its replace_image_token's, checked:
+    assert "Here is the original image" in tok.decode(examples[0].input_ids)
+    ours = _load("gemma3", folder)
+    slipstream.apply_lora(ours, rank=4, alpha=8)
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path / "adapter")
+    b = collate(examples)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=image_inputs(b.fields))  # fmt: skip
+    loss.backward()
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path / "adapter", is_trainable=True)
+    ref_loss = peft_summed_loss(peft_model.eval(), examples,
+                                lambda ex: _hf_inputs("gemma3", ex, side))  # fmt: skip
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    assert_lora_grads_match(ours, peft_model)
