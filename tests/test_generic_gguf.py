@@ -41,6 +41,10 @@ def _fields(reader) -> dict:
 GRANITE = dict(
     attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
 )  # not 1: a scale left out or swapped shows
+# Llama 4 as llama.cpp fixes it: chunked layers of 8192, RoPE skipped on every 4th layer
+# (none of 2), experts on every 2nd layer (a dense one of intermediate_size_mlp before)
+LLAMA4 = dict(layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1],
+              interleave_moe_layer_step=2, moe_layers=[1], intermediate_size_mlp=96)  # fmt: skip
 # model_type -> (llama.cpp architecture, experts, tensors per layer, Q/K permuted, overrides)
 LAYOUT = {
     "olmo2": ("olmo2", None, 11, False, {}),  # q/k/v/o, q/k norms, gate/up/down, 2 post-norms
@@ -63,6 +67,8 @@ LAYOUT = {
     "ernie4_5_moe": ("ernie4_5-moe", 4, 9, False, {}),
     "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
                 "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
+    # llama4_text: a dense layer 0 (9), a MoE layer 1 (13: router, 3 expert stacks, 3 shared)
+    "llama4_text": ("llama4", 4, 9, False, LLAMA4),
 }  # fmt: skip
 
 
@@ -75,7 +81,7 @@ def _arch_enum(name: str):
 
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
-           "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5}  # fmt: skip
+           "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5, "llama4_text": 3 + 4}  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -126,6 +132,8 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     if experts:  # the first MoE layer (glm4_moe's layer 0 is dense)
         key = next(n for n in state if n.endswith("experts.gate_up_proj"))
         gate_up, i = state[key], key.split(".")[2]  # (E, 2I, D), gate first
+        if model_type == "llama4_text":  # Llama 4's (E, D, 2I)
+            gate_up = gate_up.transpose(1, 2)
         up = torch.from_numpy(tensors[f"blk.{i}.ffn_up_exps.weight"].data.copy())
         torch.testing.assert_close(up, gate_up[:, gate_up.shape[1] // 2 :])
         router = tensors[f"blk.{i}.ffn_gate_inp.weight"]
@@ -171,6 +179,11 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
                           ("expert_shared_count", 2), ("expert_feed_forward_length", 16),
                           ("expert_shared_feed_forward_length", 32)]:  # fmt: skip
             assert fields[f"ernie4_5-moe.{key}"] == [want], key
+    if model_type == "llama4_text":  # the dense layers' width, the experts', the pattern
+        for key, want in [("feed_forward_length", [96]), ("expert_feed_forward_length", [128]),
+                          ("interleave_moe_layer_step", [2]), ("rope.dimension_count", [16]),
+                          ("attention.sliding_window_pattern", [True, True])]:  # fmt: skip
+            assert fields[f"llama4.{key}"] == want, key
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -270,6 +283,22 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("glm4_moe", {"n_shared_experts": 0}, "glm4_moe with no shared expert"),
         ("minimax_m2", {"tie_word_embeddings": True}, "minimax_m2 with a tied lm_head"),
         ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe with use_bias=true"),
+        (
+            "llama4_text",
+            {**LLAMA4, "attention_chunk_size": 16},
+            "llama4_text with attention_chunk_size=16",
+        ),
+        (
+            "llama4_text",
+            {**LLAMA4, "no_rope_layers": [1, 0]},
+            r"llama4_text with no_rope_layers=\[1, 0\]",
+        ),
+        ("llama4_text", {**LLAMA4, "moe_layers": [0, 1]}, r"llama4_text with moe_layers=\[0, 1\]"),
+        (
+            "llama4_text",
+            {**LLAMA4, "use_qk_norm": False},
+            "llama4_text with use_qk_norm=False and 4 experts",
+        ),
     ]
     for i, (model_type, overrides, match) in enumerate(cases):
         model = _generic(tmp_path / str(i), model_type, **overrides)
@@ -279,13 +308,25 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
     assert not list(tmp_path.glob("*.gguf"))
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "mixtral", "qwen2_moe"])
+# Every type that exports, at LAYOUT's configs; Llama 4 with 4 layers so that its NoPE layer
+# (the 4th: full attention, temperature-scaled queries) and two MoE layers run too.
+RUNS = {**{t: LAYOUT[t][4] for t in LAYOUT}, "qwen2_moe": {},
+        "llama4_text": {**LLAMA4, "num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
+                        "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+                        "moe_layers": [1, 3]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(RUNS))
 def test_llama_cpp_runs_a_generic_gguf_as_we_do(tmp_path, quiet, tokenizer, model_type):  # noqa: F811
     """llama.cpp's logits (relative 5e-3: it keeps K/V in f16) and 8 greedy tokens equal ours."""
     pytest.importorskip("llama_cpp")
     from test_gguf_llama_cpp import greedy_llama_cpp, greedy_ours, llama_cpp_logits
 
-    model = _generic(tmp_path, model_type)
+    model = _generic(tmp_path, model_type, **RUNS[model_type])
+    torch.manual_seed(4)
+    for name, buf in model.named_buffers():  # a router's score bias: 0 would hide a loss
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0, 0.5)
     ids = tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
         ref = model(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))

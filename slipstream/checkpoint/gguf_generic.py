@@ -49,6 +49,12 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   interleaved RoPE as HF stores it, softmax routing with the score-correction bias and top-k
   renormalisation, the MoE interleave step and leading dense layers, shared experts at their
   true width; refused: biases, partial rotary, MoE layers ending before the last layer.
+- llama4_text: LLAMA4 (after conversion/llama.py's Llama4Model and src/models/llama4.cpp):
+  interleaved RoPE as HF's complex rotary (no permutation), the experts' (E, D, 2F) gate_up
+  split and transposed, the shared expert at the experts' width, dense layers at
+  intermediate_size_mlp, the chunked/full pattern per layer. llama.cpp fixes chunks of 8192,
+  NoPE on every 4th layer with its query temperature (floor 8192, scale 0.1), q/k L2 norms
+  unless 128 experts: other configs are refused, as are configs with no chunked layer.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -541,7 +547,80 @@ COHERE2 = GGUFSpec(
     extra_tensors=_no_tensors,
 )  # fmt: skip
 
+
+def _llama4_check(cfg: Any, hf: dict) -> None:
+    L, E = cfg.num_hidden_layers, int(hf["num_local_experts"])
+    kinds = list(hf.get("layer_types") or [])[:L]
+    if "chunked_attention" not in kinds:  # llama.cpp's sliding_window=0 form drops RoPE on
+        _refuse("llama4_text", "no chunked layers",  # the last layer; not written here
+                "llama.cpp's llama4 fixes its NoPE layers by the chunked form")  # fmt: skip
+    if int(hf.get("attention_chunk_size") or 0) != 8192:
+        _refuse("llama4_text", f"attention_chunk_size={hf.get('attention_chunk_size')}",
+                "llama.cpp's llama4 fixes its chunks at 8192 tokens")  # fmt: skip
+    rope = [int((i + 1) % 4 != 0) for i in range(L)]  # 0: NoPE (llama.cpp's fixed step 4)
+    if [int(x) for x in hf["no_rope_layers"][:L]] != rope:
+        _refuse("llama4_text", f"no_rope_layers={hf['no_rope_layers'][:L]}",
+                "llama.cpp's llama4 skips RoPE on every 4th layer exactly")  # fmt: skip
+    if 0 in rope and (
+        not hf.get("attn_temperature_tuning")
+        or (hf.get("floor_scale"), hf.get("attn_scale")) != (8192, 0.1)
+    ):
+        _refuse("llama4_text", "attention temperature "
+                f"{hf.get('attn_temperature_tuning')}/{hf.get('floor_scale')}/"
+                f"{hf.get('attn_scale')}",
+                "llama.cpp's llama4 scales NoPE queries with floor 8192, scale 0.1")  # fmt: skip
+    step = int(hf.get("interleave_moe_layer_step") or 1)
+    moe = [i for i in range(L) if (i + 1) % step == 0]
+    if list(hf.get("moe_layers") or moe)[: len(moe) + 1] != moe:
+        _refuse("llama4_text", f"moe_layers={hf.get('moe_layers')}",
+                f"llama.cpp's llama4 puts experts on every {step}th layer")  # fmt: skip
+    if bool(hf.get("use_qk_norm")) != (E != 128):  # llama.cpp: off for the 128-expert type
+        _refuse("llama4_text", f"use_qk_norm={hf.get('use_qk_norm')} and {E} experts",
+                "llama.cpp's llama4 norms q/k unless it has 128 experts")  # fmt: skip
+    if hf.get("attention_bias"):
+        _refuse("llama4_text", "attention_bias=true", "llama.cpp's llama4 has no biases")
+    _activation("llama4_text", hf, "hidden_act", ("silu",))
+
+
+def _llama4_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)  # interleaved RoPE as HF's complex rotary: no permutation
+    L = cfg.num_hidden_layers
+    _overwrite(w, "{arch}.feed_forward_length")
+    w.add_feed_forward_length(int(hf["intermediate_size_mlp"]))  # the dense layers' width
+    w.add_expert_feed_forward_length(int(hf["intermediate_size"]))  # experts' and shared
+    w.add_expert_count(int(hf["num_local_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_interleave_moe_layer_step(int(hf.get("interleave_moe_layer_step") or 1))
+    w.add_sliding_window_pattern([t == "chunked_attention" for t in hf["layer_types"][:L]])
+
+
+def _llama4_split(cfg: Any, name: str, t: Any) -> list[tuple[str, Any]]:
+    """Llama 4's (E, D, 2F) [gate | up] as llama.cpp's (E, F, D) gate and up stacks."""
+    half, base = t.shape[-1] // 2, name.removesuffix("gate_up_proj")
+    g, u = t.transpose(-1, -2).split(half, dim=-2)
+    return [(base + "gate_proj.weight", g), (base + "up_proj.weight", u)]
+
+
+def _llama4_join(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    yield name, torch.cat(parts, dim=-2).transpose(-1, -2)
+
+
+LLAMA4 = GGUFSpec(
+    "LLAMA4", "llama4", ("llama4_text",), check=_llama4_check, write_metadata=_llama4_metadata,
+    extra_tensors=_no_tensors,
+    transforms=(
+        TensorTransform(("feed_forward.experts.gate_up_proj",), _llama4_split, _llama4_join),
+        TensorTransform(  # (E, F, D) -> llama.cpp's (E, D, F)
+            ("feed_forward.experts.down_proj",),
+            lambda cfg, name, t: [(name + ".weight", t.transpose(-1, -2))],
+            lambda cfg, name, parts: iter([(name, parts[0].transpose(-1, -2))]),
+        ),
+    ),
+)  # fmt: skip
+
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3,
-         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE)  # fmt: skip
+         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
