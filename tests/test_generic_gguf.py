@@ -69,6 +69,10 @@ LAYOUT = {
                 "layer_types": ["sliding_attention"] * 2}),  # llama.cpp's: every 4th full
     # llama4_text: a dense layer 0 (9), a MoE layer 1 (13: router, 3 expert stacks, 3 shared)
     "llama4_text": ("llama4", 4, 9, False, LLAMA4),
+    # deepseek_v3: a dense layer 0 (13: q_a/q_a_norm/q_b, kv_a_mqa/kv_a_norm, k_b, v_b, o, 2
+    # norms, gate/up/down), a MoE layer 1 (18: router, its bias, 3 expert stacks, 3 shared);
+    # expert groups (2 of 2 experts, 1 used): llama.cpp's group-limited routing runs too
+    "deepseek_v3": ("deepseek2", 4, 13, False, {"head_dim": 4, "n_group": 2, "topk_group": 1}),
 }  # fmt: skip
 
 
@@ -81,7 +85,8 @@ def _arch_enum(name: str):
 
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
-           "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5, "llama4_text": 3 + 4}  # fmt: skip
+           "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5, "llama4_text": 3 + 4,
+           "deepseek_v3": 3 + 5}  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -109,6 +114,7 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
     kv = model.hf.config.num_key_value_heads
     kv = [0, kv] if model_type == "lfm2" else [kv]  # lfm2: per layer, 0 on its conv layer
+    kv = [1] if model_type == "deepseek_v3" else kv  # MLA absorbed: one compressed K/V head
     assert fields[f"{arch}.block_count"] == [2]
     assert fields[f"{arch}.attention.head_count_kv"] == kv
     assert fields.get(f"{arch}.expert_count") == ([experts] if experts else None)
@@ -118,8 +124,11 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     for name in tensors:
         stem = name.removesuffix(".weight").removesuffix(".bias")
         assert any(stem == k.format(bid=b) for k in known for b in (0, 1)), name
-    q = torch.from_numpy(tensors["blk.1.attn_q.weight"].data.copy())
-    hf_q = state["model.layers.1.self_attn.q_proj.weight"]
+    q_name, hf_q_name = (
+        ("attn_q_b", "q_b_proj") if model_type == "deepseek_v3" else ("attn_q", "q_proj")
+    )
+    q = torch.from_numpy(tensors[f"blk.1.{q_name}.weight"].data.copy())
+    hf_q = state[f"model.layers.1.self_attn.{hf_q_name}.weight"]
     want_q = permute_rotary(hf_q, 4) if permuted else hf_q
     torch.testing.assert_close(q, want_q)
     names = gguf.get_tensor_name_map(_arch_enum(arch), 2)
@@ -184,6 +193,15 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
                           ("interleave_moe_layer_step", [2]), ("rope.dimension_count", [16]),
                           ("attention.sliding_window_pattern", [True, True])]:  # fmt: skip
             assert fields[f"llama4.{key}"] == want, key
+    if model_type == "deepseek_v3":  # r = 8, rope 4, nope 4, v 8
+        for key, want in [("attention.key_length", 8 + 4), ("attention.value_length", 8),
+                          ("attention.key_length_mla", 4 + 4), ("attention.value_length_mla", 8),
+                          ("attention.q_lora_rank", 8), ("attention.kv_lora_rank", 8),
+                          ("rope.dimension_count", 4), ("leading_dense_block_count", 1),
+                          ("expert_group_count", 2), ("expert_group_used_count", 1),
+                          ("expert_gating_func", 2), ("expert_weights_norm", True),
+                          ("expert_weights_scale", pytest.approx(2.5))]:  # fmt: skip
+            assert fields[f"deepseek2.{key}"] == [want], key
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -257,8 +275,8 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    other = _generic(tmp_path, "deepseek_v3")
-    with pytest.raises(ValueError, match="model_type .deepseek_v3. has no llama.cpp arch") as e:
+    other = _generic(tmp_path, "qwen3_next")
+    with pytest.raises(ValueError, match="model_type .qwen3_next. has no llama.cpp arch") as e:
         export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
@@ -293,6 +311,12 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
             {**LLAMA4, "no_rope_layers": [1, 0]},
             r"llama4_text with no_rope_layers=\[1, 0\]",
         ),
+        (
+            "deepseek_v3",
+            {"head_dim": 4, "rope_interleave": False},
+            "deepseek_v3 with rope_interleave=false",
+        ),
+        ("deepseek_v3", {"head_dim": 4, "q_lora_rank": None}, "deepseek_v3 with no q_lora_rank"),
         ("llama4_text", {**LLAMA4, "moe_layers": [0, 1]}, r"llama4_text with moe_layers=\[0, 1\]"),
         (
             "llama4_text",

@@ -55,6 +55,13 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   intermediate_size_mlp, the chunked/full pattern per layer. llama.cpp fixes chunks of 8192,
   NoPE on every 4th layer with its query temperature (floor 8192, scale 0.1), q/k L2 norms
   unless 128 experts: other configs are refused, as are configs with no chunked layer.
+- deepseek_v3: DEEPSEEK2 (after conversion/deepseek.py's DeepseekV2Model and
+  src/models/deepseek2.cpp): MLA as llama.cpp's absorbed form, kv_b_proj split per head into
+  k_b (transposed) and v_b, one compressed K/V head (key/value lengths kv_lora_rank + rope,
+  kv_lora_rank; the decompressed sizes under the _mla keys); interleaved RoPE as HF's
+  rope_interleave (no permutation); sigmoid routing with the score-correction bias, groups,
+  top-k renormalisation and routed scaling under their keys. Refused: rope_interleave=false,
+  no q_lora_rank, biases.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -620,7 +627,82 @@ LLAMA4 = GGUFSpec(
     ),
 )  # fmt: skip
 
+
+def _deepseek_check(cfg: Any, hf: dict) -> None:
+    if not hf.get("rope_interleave", True):  # HF rotates halves then; llama.cpp pairs
+        _refuse("deepseek_v3", "rope_interleave=false", "llama.cpp's deepseek2 rotates pairs")
+    if not hf.get("q_lora_rank"):  # llama.cpp reads it but for its fixed "lite" layer counts
+        _refuse("deepseek_v3", "no q_lora_rank", "llama.cpp's deepseek2 requires the q LoRA")
+    if hf.get("attention_bias"):
+        _refuse("deepseek_v3", "attention_bias=true", "llama.cpp's deepseek2 has no biases")
+    E, groups = int(hf["n_routed_experts"]), int(hf.get("n_group") or 1)
+    if groups > 1 and E // groups < 2:  # HF sums each group's top 2, as llama.cpp
+        _refuse("deepseek_v3", f"n_group={groups}", "a group needs 2 experts to score")
+    _activation("deepseek_v3", hf, "hidden_act", ("silu",))
+
+
+def _deepseek_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    import gguf
+
+    rope_from_hf(w, cfg, hf)  # interleaved pairs as HF's rope_interleave: no permutation
+    r, rope, nope = (
+        int(hf["kv_lora_rank"]),
+        int(hf["qk_rope_head_dim"]),
+        int(hf["qk_nope_head_dim"]),
+    )
+    for key in ("{arch}.attention.head_count_kv", "{arch}.attention.key_length",
+                "{arch}.attention.value_length", "{arch}.rope.dimension_count"):  # fmt: skip
+        _overwrite(w, key)
+    # MLA absorbed: one compressed K/V head of kv_lora_rank (+ the RoPE part for K); the
+    # per-head sizes after decompression under the _mla keys (as the converter writes them)
+    w.add_head_count_kv(1)
+    w.add_key_length(r + rope)
+    w.add_value_length(r)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(int(hf["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+    w.add_q_lora_rank(int(hf["q_lora_rank"]))
+    w.add_kv_lora_rank(r)
+    w.add_leading_dense_block_count(int(hf.get("first_k_dense_replace") or 0))
+    w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+    w.add_expert_count(int(hf["n_routed_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_shared_count(int(hf.get("n_shared_experts") or 0))
+    w.add_expert_weights_scale(float(hf.get("routed_scaling_factor") or 1.0))
+    w.add_expert_weights_norm(bool(hf.get("norm_topk_prob")))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # HF's DeepseekV3TopkRouter
+    w.add_expert_group_count(int(hf.get("n_group") or 1))
+    w.add_expert_group_used_count(int(hf.get("topk_group") or 1))
+
+
+def _mla_split(cfg: Any, name: str, t: Any) -> list[tuple[str, Any]]:
+    """kv_b_proj (H * (nope + v), r) as llama.cpp's absorbed k_b (H, r, nope), v_b (H, v, r)."""
+    from slipstream.checkpoint.gguf_spec import text_hf
+
+    hf = text_hf(cfg)
+    nope, v = int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"])
+    kv = t.reshape(-1, nope + v, t.shape[-1])
+    k, v = kv.split([nope, v], dim=1)
+    return [(name.replace("kv_b_proj", "k_b_proj"), k.transpose(1, 2)),
+            (name.replace("kv_b_proj", "v_b_proj"), v)]  # fmt: skip
+
+
+def _mla_join(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    k, v = parts
+    kv = torch.cat([k.transpose(1, 2), v], dim=1)
+    yield name, kv.reshape(-1, kv.shape[-1])
+
+
+DEEPSEEK_V3 = GGUFSpec(
+    "DEEPSEEK2", "deepseek2", ("deepseek_v3",), check=_deepseek_check,
+    write_metadata=_deepseek_metadata, extra_tensors=_no_tensors,
+    transforms=(TensorTransform(("self_attn.kv_b_proj.weight",), _mla_split, _mla_join),
+                SCORE_BIAS),
+)  # fmt: skip
+
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3,
-         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4)  # fmt: skip
+         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4, DEEPSEEK_V3)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
