@@ -45,6 +45,13 @@ GRANITE = dict(
 # (none of 2), experts on every 2nd layer (a dense one of intermediate_size_mlp before)
 LLAMA4 = dict(layer_types=["chunked_attention"] * 2, no_rope_layers=[1, 1],
               interleave_moe_layer_step=2, moe_layers=[1], intermediate_size_mlp=96)  # fmt: skip
+# Falcon-H1 with every muP multiplier away from 1 (a fold left out or misplaced shows), two
+# SSM groups and its gated grouped norm (llama.cpp's order: gate, then norm)
+FALCON_H1 = dict(embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_multiplier=0.7,
+                 key_multiplier=1.3, attention_out_multiplier=0.9, ssm_in_multiplier=1.1,
+                 ssm_out_multiplier=0.8, ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3],
+                 mlp_multipliers=[0.6, 1.4], mamba_n_groups=2, mamba_rms_norm=True,
+                 mamba_norm_before_gate=False)  # fmt: skip
 # model_type -> (llama.cpp architecture, experts, tensors per layer, Q/K permuted, overrides)
 LAYOUT = {
     "olmo2": ("olmo2", None, 11, False, {}),  # q/k/v/o, q/k norms, gate/up/down, 2 post-norms
@@ -72,6 +79,8 @@ LAYOUT = {
     # deepseek_v3: a dense layer 0 (13: q_a/q_a_norm/q_b, kv_a_mqa/kv_a_norm, k_b, v_b, o, 2
     # norms, gate/up/down), a MoE layer 1 (18: router, its bias, 3 expert stacks, 3 shared);
     # expert groups (2 of 2 experts, 1 used): llama.cpp's group-limited routing runs too
+    # falcon_h1: norm, q/k/v/o, ssm in/conv (+ bias)/dt bias/A/D/norm/out, ffn norm + 3 (17)
+    "falcon_h1": ("falcon-h1", None, 17, False, FALCON_H1),
     "deepseek_v3": ("deepseek2", 4, 13, False, {"head_dim": 4, "n_group": 2, "topk_group": 1}),
 }  # fmt: skip
 
@@ -130,6 +139,8 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     q = torch.from_numpy(tensors[f"blk.1.{q_name}.weight"].data.copy())
     hf_q = state[f"model.layers.1.self_attn.{hf_q_name}.weight"]
     want_q = permute_rotary(hf_q, 4) if permuted else hf_q
+    if model_type == "falcon_h1":  # attention_in_multiplier folded in
+        want_q = want_q * 0.7
     torch.testing.assert_close(q, want_q)
     names = gguf.get_tensor_name_map(_arch_enum(arch), 2)
     hf_name = next(
@@ -137,7 +148,9 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     )
     hf_norm = state[hf_name]  # Gemma's 1 + w, stored
     norm = torch.from_numpy(tensors[names.get_name(hf_name, try_suffixes=(".weight",))].data.copy())
-    torch.testing.assert_close(norm, hf_norm + 1 if model_type == "gemma2" else hf_norm)
+    torch.testing.assert_close(  # falcon_h1's SSM norm: (groups, d / groups)
+        norm.flatten(), hf_norm + 1 if model_type == "gemma2" else hf_norm
+    )
     if experts:  # the first MoE layer (glm4_moe's layer 0 is dense)
         key = next(n for n in state if n.endswith("experts.gate_up_proj"))
         gate_up, i = state[key], key.split(".")[2]  # (E, 2I, D), gate first
@@ -202,6 +215,10 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
                           ("expert_gating_func", 2), ("expert_weights_norm", True),
                           ("expert_weights_scale", pytest.approx(2.5))]:  # fmt: skip
             assert fields[f"deepseek2.{key}"] == [want], key
+    if model_type == "falcon_h1":
+        for key, want in [("ssm.conv_kernel", 4), ("ssm.inner_size", 32), ("ssm.state_size", 8),
+                          ("ssm.time_step_rank", 4), ("ssm.group_count", 2)]:  # fmt: skip
+            assert fields[f"falcon-h1.{key}"] == [want], key
     if model_type == "lfm2":
         assert fields["lfm2.shortconv.l_cache"] == [hf.conv_L_cache]
         assert fields["lfm2.attention.layer_norm_rms_epsilon"] == [pytest.approx(hf.norm_eps)]
@@ -317,6 +334,13 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
             "deepseek_v3 with rope_interleave=false",
         ),
         ("deepseek_v3", {"head_dim": 4, "q_lora_rank": None}, "deepseek_v3 with no q_lora_rank"),
+        ("falcon_h1", {"mamba_rms_norm": True}, "falcon_h1 with mamba_norm_before_gate=true"),
+        ("falcon_h1", {"attention_bias": True}, "falcon_h1 with attention_bias=true"),
+        (
+            "falcon_h1",
+            {"time_step_limit": [0.0, 10.0]},
+            r"falcon_h1 with time_step_limit=\(0.0, 10.0\)",
+        ),
         ("llama4_text", {**LLAMA4, "moe_layers": [0, 1]}, r"llama4_text with moe_layers=\[0, 1\]"),
         (
             "llama4_text",

@@ -62,6 +62,13 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   rope_interleave (no permutation); sigmoid routing with the score-correction bias, groups,
   top-k renormalisation and routed scaling under their keys. Refused: rope_interleave=false,
   no q_lora_rank, biases.
+- falcon_h1: FALCON_H1 (after conversion/falcon_h1.py, mamba.py's Mamba2Model and
+  src/models/falcon-h1.cpp, mamba-base.cpp): attention and Mamba-2 in parallel on one norm;
+  every muP multiplier folded into its weight as the converter does (embedding, lm_head,
+  attention in/key/out, ssm in/out, the in_proj's per-section mup vector, MLP gate/down);
+  A as -exp(A_log), dt_bias as ssm_dt.bias, D and A as (H, 1), the conv kernel (C, K), the
+  grouped norm (G, d/G); NeoX RoPE (no permutation). Refused: biases (only weights are
+  scaled), no conv bias, norm before gate, a dt clamp, a tied head with multipliers.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -702,7 +709,126 @@ DEEPSEEK_V3 = GGUFSpec(
                 SCORE_BIAS),
 )  # fmt: skip
 
+
+def _falcon_h1_check(cfg: Any, hf: dict) -> None:
+    for key in ("attention_bias", "projectors_bias", "mamba_proj_bias", "mlp_bias"):
+        if hf.get(key):
+            _refuse("falcon_h1", f"{key}=true", "llama.cpp gets multipliers in the weights only")
+    if not hf.get("mamba_conv_bias", True):
+        _refuse("falcon_h1", "mamba_conv_bias=false", "llama.cpp's mamba2 adds a conv bias")
+    if hf.get("mamba_rms_norm") and hf.get("mamba_norm_before_gate", True):
+        _refuse("falcon_h1", "mamba_norm_before_gate=true",
+                "llama.cpp's mamba2 gates before its grouped norm")  # fmt: skip
+    limit = tuple(  # transformers writes inf as {"__float__": "Infinity"}
+        float(x["__float__"] if isinstance(x, dict) else x)
+        for x in hf.get("time_step_limit") or (0.0, float("inf"))
+    )
+    if limit != (0.0, float("inf")):
+        _refuse("falcon_h1", f"time_step_limit={limit}", "llama.cpp's mamba2 does not clamp dt")
+    d_ssm = int(hf.get("mamba_d_ssm") or hf["mamba_expand"] * cfg.hidden_size)
+    if d_ssm != int(hf["mamba_n_heads"]) * int(hf["mamba_d_head"]):
+        _refuse("falcon_h1", f"mamba_d_ssm={d_ssm}",
+                "llama.cpp's mamba2 derives its head size as d_ssm / heads")  # fmt: skip
+    if cfg.tie_word_embeddings and _falcon_mult(hf, "lm_head.weight") != 1.0:
+        _refuse("falcon_h1", "a tied lm_head and multipliers",
+                "llama.cpp would scale the embedding and the head alike")  # fmt: skip
+    _activation("falcon_h1", hf, "hidden_act", ("silu",))
+
+
+def _falcon_mult(hf: dict, name: str) -> float:
+    """The constant Falcon-H1 multiplies this weight's output by (the converter folds it)."""
+    attn_in = float(hf.get("attention_in_multiplier", 1.0))
+    mlp = hf.get("mlp_multipliers") or (1.0, 1.0)
+    table = {
+        "feed_forward.gate_proj.weight": float(mlp[0]),
+        "feed_forward.down_proj.weight": float(mlp[1]),
+        "self_attn.q_proj.weight": attn_in,
+        "self_attn.k_proj.weight": attn_in * float(hf.get("key_multiplier", 1.0)),
+        "self_attn.v_proj.weight": attn_in,
+        "self_attn.o_proj.weight": float(hf.get("attention_out_multiplier", 1.0)),
+        "mamba.out_proj.weight": float(hf.get("ssm_out_multiplier", 1.0)),
+        "lm_head.weight": float(hf.get("lm_head_multiplier", 1.0)),
+        "embed_tokens.weight": float(hf.get("embedding_multiplier", 1.0)),
+    }
+    return next(v for k, v in table.items() if name.endswith(k))
+
+
+def _falcon_mup(hf: dict, hidden: int) -> Any:
+    """in_proj's per-row multipliers: ssm_in_multiplier times the mup vector's z, x, B, C, dt
+    sections (transformers' compute_mup_vector)."""
+    import torch
+
+    d = int(hf.get("mamba_d_ssm") or hf["mamba_expand"] * hidden)
+    gs = int(hf["mamba_n_groups"]) * int(hf["mamba_d_state"])
+    sizes = [d, d, gs, gs, int(hf["mamba_n_heads"])]
+    m = [float(x) for x in hf.get("ssm_multipliers") or [1.0] * 5]
+    vec = torch.cat([torch.full((n,), x) for n, x in zip(sizes, m, strict=True)])
+    return vec * float(hf.get("ssm_in_multiplier", 1.0))
+
+
+def _falcon_scale(cfg: Any, name: str, t: Any, inverse: bool = False) -> Any:
+    from slipstream.checkpoint.gguf_spec import text_hf
+
+    hf = text_hf(cfg)
+    if name.endswith("mamba.in_proj.weight"):
+        m = _falcon_mup(hf, cfg.hidden_size).to(t.device)[:, None]
+    else:
+        m = _falcon_mult(hf, name)
+    return t.float() / m if inverse else t.float() * m
+
+
+def _falcon_h1_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)  # NeoX RoPE as HF's rotate_half: no permutation
+    w.add_ssm_conv_kernel(int(hf["mamba_d_conv"]))
+    w.add_ssm_inner_size(int(hf.get("mamba_d_ssm") or hf["mamba_expand"] * cfg.hidden_size))
+    w.add_ssm_state_size(int(hf["mamba_d_state"]))
+    w.add_ssm_time_step_rank(int(hf["mamba_n_heads"]))
+    w.add_ssm_group_count(int(hf["mamba_n_groups"]))
+
+
+def _falcon_same(suffix: str, export, inverse) -> TensorTransform:
+    return TensorTransform(
+        (suffix,),
+        lambda cfg, name, t: [(name, export(cfg, name, t))],
+        lambda cfg, name, parts: iter([(name, inverse(cfg, name, parts[0]))]),
+    )
+
+
+def _falcon_norm(cfg: Any, t: Any) -> Any:
+    from slipstream.checkpoint.gguf_spec import text_hf
+
+    return t.reshape(int(text_hf(cfg)["mamba_n_groups"]), -1)
+
+
+FALCON_H1 = GGUFSpec(
+    "FALCON_H1", "falcon-h1", ("falcon_h1",), check=_falcon_h1_check,
+    write_metadata=_falcon_h1_metadata, extra_tensors=_no_tensors,
+    transforms=(
+        *(_falcon_same(x, _falcon_scale, lambda c, n, t: _falcon_scale(c, n, t, True))
+          for x in ("feed_forward.gate_proj.weight", "feed_forward.down_proj.weight",
+                    "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                    "mamba.out_proj.weight", "mamba.in_proj.weight", "lm_head.weight",
+                    "embed_tokens.weight")),
+        TensorTransform(  # transformers' dt_bias: llama.cpp's ssm_dt.bias
+            ("mamba.dt_bias",),
+            lambda cfg, name, t: [(name.replace("dt_bias", "dt_proj.bias"), t)],
+            lambda cfg, name, parts: iter([(name, parts[0])]),
+        ),
+        TensorTransform(  # A = -exp(A_log), (H, 1) as llama.cpp's {1, H}
+            ("mamba.A_log",),
+            lambda cfg, name, t: [(name, -t.float().exp()[:, None])],
+            lambda cfg, name, parts: iter([(name, (-parts[0][:, 0]).log())]),
+        ),
+        _falcon_same("mamba.D", lambda c, n, t: t[:, None], lambda c, n, t: t[:, 0]),
+        _falcon_same("mamba.conv1d.weight", lambda c, n, t: t.squeeze(1),
+                     lambda c, n, t: t.unsqueeze(1)),
+        _falcon_same("mamba.norm.weight", lambda c, n, t: _falcon_norm(c, t),
+                     lambda c, n, t: t.reshape(-1)),
+    ),
+)  # fmt: skip
+
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
-         SMOLLM3,
-         LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4, DEEPSEEK_V3)  # fmt: skip
+         SMOLLM3, LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4, DEEPSEEK_V3,
+         FALCON_H1)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
