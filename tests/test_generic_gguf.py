@@ -292,10 +292,15 @@ def test_transformers_reads_our_gguf_back_to_our_logits(tmp_path, quiet, tokeniz
 
 
 def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer):  # noqa: F811
-    other = _generic(tmp_path, "qwen3_next")
-    with pytest.raises(ValueError, match="model_type .qwen3_next. has no llama.cpp arch") as e:
+    other = _generic(tmp_path, "mamba")
+    with pytest.raises(ValueError, match="model_type .mamba. has no llama.cpp arch") as e:
         export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
+    for model_type in ("qwen3_next", "nemotron_h"):  # llama.cpp knows them: not written here
+        other = _generic(tmp_path / model_type, model_type)
+        with pytest.raises(ValueError, match=f"{model_type}. .llama.cpp's .*not written") as e:
+            export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
+        assert "\n" not in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
     with pytest.raises(ValueError, match="'llama' built by transformers' modeling code"):
         export_gguf(llama, tmp_path / "b.gguf", "f32", tokenizer=tokenizer)
