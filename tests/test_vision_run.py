@@ -190,3 +190,9 @@ def test_gemma3_image_rows_train_on_the_generic_path_and_generate_with_an_image(
                                            {"type": "text", "text": "Which is it?"}]}]  # fmt: skip
     (c,) = slipstream.generate(model, [prompt], tokenizer=tok, max_new_tokens=4)
     assert printed == c.text.strip()
+    # A text prompt: the native text family loads the adapter the generic path trained.
+    assert cli.main(["generate", str(out), "Which is it?", "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    chat = [[{"role": "user", "content": "Which is it?"}]]  # as the CLI wraps a prompt
+    (c,) = slipstream.generate(model, chat, tokenizer=tok, max_new_tokens=4)
+    assert printed == c.text.strip()
