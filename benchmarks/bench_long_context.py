@@ -1,6 +1,8 @@
 """Longest single sequence a SmolLM2-135M-shaped LoRA step trains within an RSS budget:
 slipstream (recompute, untiled and MLP in 8 tiles) vs transformers + PEFT (gradient
-checkpointing, SDPA).
+checkpointing, SDPA) vs Unsloth's CPU backend (`--tools unsloth`: its FastLanguageModel with
+its own gradient checkpointing, in its own venv, `--unsloth-python`; docs/benchmarks.md says
+how that venv is made).
 
 Each trial is a fresh process that builds the model (SmolLM2-135M's config.json shapes,
 random float32 weights: memory does not depend on the values), applies LoRA r16 alpha 32 to
@@ -31,7 +33,8 @@ SMOLLM2_135M = dict(
     rope_theta=100000.0, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
 )  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TOOLS = {"slipstream": 1, "slipstream-tiled": 8, "hf": None}
+TOOLS = {"slipstream": 1, "slipstream-tiled": 8, "hf": None, "unsloth": None}
+PEERS = ("hf", "unsloth")
 
 
 def model_folder(work: Path) -> Path:
@@ -42,6 +45,14 @@ def model_folder(work: Path) -> Path:
 
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).float().save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():  # Unsloth's loader wants one; unused here
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {f"t{i}": i for i in range(SMOLLM2_135M["vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(folder)
     return folder
 
 
@@ -88,9 +99,36 @@ def trial_hf(folder: Path, T: int) -> None:
     opt.step()
 
 
-def run_trial(tool: str, T: int, work: Path) -> dict:
+def trial_unsloth(folder: Path, T: int) -> None:
+    """Unsloth's CPU backend (its venv), as its users run it: FastLanguageModel, LoRA r16 on
+    the 7 linears with its gradient checkpointing ("unsloth"), one step of TRL's SFTTrainer
+    (which Unsloth patches: its chunked cross-entropy) over one row of T tokens."""
+    import torch
+    import unsloth  # noqa: F401  (first: it patches transformers and TRL)
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+    from unsloth import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        str(folder), max_seq_length=T, dtype=torch.float32, load_in_4bit=False
+    )
+    model = FastLanguageModel.get_peft_model(
+        model, r=16, lora_alpha=32, lora_dropout=0, target_modules=TARGETS,
+        use_gradient_checkpointing="unsloth", random_state=0,
+    )  # fmt: skip
+    ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (T,)).tolist()
+    config = SFTConfig(
+        output_dir=str(folder.parent / "unsloth_out"), per_device_train_batch_size=1,
+        max_steps=1, max_length=T, learning_rate=1e-4, use_cpu=True, report_to="none",
+        save_strategy="no", logging_steps=10_000, dataloader_num_workers=0, bf16=False,
+    )  # fmt: skip
+    data = Dataset.from_list([{"input_ids": ids, "labels": ids}])
+    SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer).train()
+
+
+def run_trial(tool: str, T: int, work: Path, python: str = sys.executable) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [sys.executable, __file__, "--child", tool, "--tokens", str(T), "--work", str(work)]
+    cmd = [python, __file__, "--child", tool, "--tokens", str(T), "--work", str(work)]
     start = time.time()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -123,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", action="store_true", help="run each tool at its solved length")
     p.add_argument("--work", default="/tmp/bench_long_context")
     p.add_argument("--json", default=None)
+    p.add_argument("--unsloth-python", default="/work/venvs/unsloth/bin/python")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -130,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         T, start = int(args.tokens), time.process_time()
         if args.child == "hf":
             trial_hf(model_folder(work), T)
+        elif args.child == "unsloth":
+            trial_unsloth(model_folder(work), T)
         else:
             trial_slipstream(model_folder(work), T, TOOLS[args.child])
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
@@ -141,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(t) for t in args.tokens.split(",")]
     results = {}
     for tool in args.tools.split(","):
-        rows = [run_trial(tool, T, work) for T in lengths]
+        python = args.unsloth_python if tool == "unsloth" else sys.executable
+        rows = [run_trial(tool, T, work, python) for T in lengths]
         for r in rows:
             print(json.dumps(r), flush=True)
         ok = [r for r in rows if "peak_rss_gb" in r]
@@ -151,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             slope = (rb - ra) / (b - a)
             solved = int(b + (args.budget_gb - rb) / slope) // 64 * 64 if slope > 0 else None
         entry = {"trials": rows, "solved_tokens": solved}
-        if tool != "hf" and solved:
+        if tool not in PEERS and solved:
             entry["plan_gb_at_solved"] = plan_estimate(solved, TOOLS[tool])
         if args.verify and solved:
-            entry["verify"] = run_trial(tool, solved, work)
+            entry["verify"] = run_trial(tool, solved, work, python)
             print(json.dumps(entry["verify"]), flush=True)
         results[tool] = entry
         print(f"{tool}: longest within {args.budget_gb} GB RSS ~ {solved} tokens", flush=True)
