@@ -69,7 +69,8 @@ LAYOUT = {
     "minimax_m2": ("minimax-m2", 4, 13, False, {}),  # mixtral's + q/k norms, router bias
     # glm4_moe: a dense layer 0 (q/k/v/o + 3 biases, q/k norms, gate/up/down, 2 norms: 14),
     # a MoE layer 1 (19: router, its bias, 3 expert stacks, 3 shared-expert projections)
-    "glm4_moe": ("glm4moe", 4, 14, False, {"attention_bias": True, "use_qk_norm": True}),
+    "glm4_moe": ("glm4moe", 4, 14, False, {"attention_bias": True, "use_qk_norm": True,
+                                           "n_group": 2, "topk_group": 1}),  # 2 groups of 2
     # ernie4_5_moe: a dense layer 0 (9), a MoE layer 1 (14: router, bias, 3 + 3 projections)
     "ernie4_5_moe": ("ernie4_5-moe", 4, 9, False, {}),
     "cohere2": ("cohere2", None, 8, False, {"tie_word_embeddings": True,  # 1 LayerNorm;
@@ -194,6 +195,8 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
             ("expert_gating_func", 2),  # gguf.ExpertGatingFuncType.SIGMOID
             ("expert_weights_norm", hf.norm_topk_prob),
             ("rope.dimension_count", 16 // 2),
+            ("expert_group_count", 2),
+            ("expert_group_used_count", 1),
         ]:  # fmt: skip (half the head)
             assert fields[f"glm4moe.{key}"] == [want], key
     if model_type == "ernie4_5_moe":
@@ -319,7 +322,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
         ("granite", {"head_dim": 4}, "granite with head_dim=4"),
         ("cohere2", {"layer_types": ["sliding_attention"] * 2}, "cohere2 with an untied lm_head"),
         ("cohere2", {"tie_word_embeddings": True}, r"cohere2 with layer_types \[.*\]"),
-        ("glm4_moe", {"n_group": 2, "topk_group": 2}, "glm4_moe with n_group=2, topk_group=2"),
+        ("glm4_moe", {"n_group": 4, "topk_group": 2}, "glm4_moe with n_group=4"),
         ("glm4_moe", {"n_shared_experts": 0}, "glm4_moe with no shared expert"),
         ("minimax_m2", {"tie_word_embeddings": True}, "minimax_m2 with a tied lm_head"),
         ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe with use_bias=true"),

@@ -43,8 +43,8 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
 - glm4_moe: GLM4_MOE (after conversion/glm.py and src/models/glm4-moe.cpp): NeoX partial
   RoPE (no permutation), the leading dense layers, routed and shared experts, sigmoid gating
   with the score-correction bias, routed scaling and top-k renormalisation under llama.cpp's
-  keys; no NextN/MTP layers (transformers builds none); group-limited routing (n_group > 1)
-  and no shared expert refused.
+  keys, expert groups (llama.cpp's build_moe_ffn scores a group by its top 2, as HF); no
+  NextN/MTP layers (transformers builds none); no shared expert refused.
 - ernie4_5_moe: ERNIE4_5_MOE (after conversion/ernie.py and src/models/ernie4-5-moe.cpp):
   interleaved RoPE as HF stores it, softmax routing with the score-correction bias and top-k
   renormalisation, the MoE interleave step and leading dense layers, shared experts at their
@@ -460,9 +460,9 @@ SCORE_BIAS = TensorTransform(
 
 
 def _glm4_moe_check(cfg: Any, hf: dict) -> None:
-    if int(hf.get("n_group") or 1) > 1 or int(hf.get("topk_group") or 1) > 1:
-        _refuse("glm4_moe", f"n_group={hf.get('n_group')}, topk_group={hf.get('topk_group')}",
-                "llama.cpp's glm4moe gets no expert groups from this file")  # fmt: skip
+    groups = int(hf.get("n_group") or 1)
+    if groups > 1 and int(hf["n_routed_experts"]) // groups < 2:  # HF sums a group's top 2
+        _refuse("glm4_moe", f"n_group={groups}", "llama.cpp scores a group by its top 2 experts")
     if not hf.get("n_shared_experts"):  # src/models/glm4-moe.cpp always adds the shared MLP
         _refuse("glm4_moe", "no shared expert", "llama.cpp's glm4moe always runs one")
     _activation("glm4_moe", hf, "hidden_act", ("silu",))
@@ -480,6 +480,8 @@ def _glm4_moe_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_weights_scale(float(hf.get("routed_scaling_factor") or 1.0))
     w.add_expert_weights_norm(bool(hf.get("norm_topk_prob")))
+    w.add_expert_group_count(int(hf.get("n_group") or 1))  # llama.cpp's group-limited routing
+    w.add_expert_group_used_count(int(hf.get("topk_group") or 1))
 
 
 def _ernie_check(cfg: Any, hf: dict) -> None:
@@ -644,7 +646,7 @@ def _deepseek_check(cfg: Any, hf: dict) -> None:
         _refuse("deepseek_v3", "attention_bias=true", "llama.cpp's deepseek2 has no biases")
     E, groups = int(hf["n_routed_experts"]), int(hf.get("n_group") or 1)
     if groups > 1 and E // groups < 2:  # HF sums each group's top 2, as llama.cpp
-        _refuse("deepseek_v3", f"n_group={groups}", "a group needs 2 experts to score")
+        _refuse("deepseek_v3", f"n_group={groups}", "llama.cpp scores a group by its top 2 experts")
     _activation("deepseek_v3", hf, "hidden_act", ("silu",))
 
 
