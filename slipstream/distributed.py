@@ -333,6 +333,16 @@ def sum_over_ranks(values: list[Any], device: torch.device) -> torch.Tensor:
     return flat
 
 
+def extremes_over_ranks(values: list[torch.Tensor], kinds: list[str]) -> torch.Tensor:
+    """The elementwise min ("min") or max ("max") over ranks of a few device tensors, in
+    float64: one all-reduce (MIN, each max negated)."""
+    signed = [-v if k == "max" else v for v, k in zip(values, kinds, strict=True)]
+    flat = torch.stack([v.to(torch.float64) for v in signed])  # on the device: no host copy
+    if world_size() > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+    return torch.stack([-x if k == "max" else x for x, k in zip(flat, kinds, strict=True)])
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2's grad norm, sharded parameters); plain tensors as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

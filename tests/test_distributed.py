@@ -179,6 +179,33 @@ def test_bad_row_on_one_rank_stops_the_job_with_its_message(tiny_run, tmp_path):
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
 
 
+EXTREMES_SCRIPT = """
+import json, math, os, sys
+import torch
+import torch.distributed as tdist
+from slipstream import distributed as dist
+tdist.init_process_group("gloo")
+r = tdist.get_rank()
+values = [torch.tensor(r + 1.0), torch.tensor(r + 1.0), torch.tensor(math.inf if r else 5.0),
+          torch.tensor(-(r + 1.0))]
+got = dist.extremes_over_ranks(values, ["min", "max", "min", "max"]).tolist()
+sums = dist.sum_over_ranks([torch.tensor(r + 1.0), 10], torch.device("cpu")).tolist()
+open(os.path.join(sys.argv[1], f"rank-{r}.json"), "w").write(json.dumps([got, sums]))
+tdist.destroy_process_group()
+"""
+
+
+def test_extremes_over_ranks_are_every_ranks_min_and_max(tmp_path):
+    """`extremes_over_ranks` under 2 gloo ranks: a min from rank 0, a max from rank 1, a rank
+    holding a min's identity (+inf: no value) and a negative max; sums beside them."""
+    script = tmp_path / "extremes.py"
+    script.write_text(EXTREMES_SCRIPT)
+    check(run_torchrun([str(script), str(tmp_path)], tmp_path, timeout=120))
+    for rank in (0, 1):
+        got, sums = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert got == [1.0, 2.0, 5.0, -1.0] and sums == [3.0, 20.0]
+
+
 @pytest.mark.parametrize("num_batches", [1, 2, 5, 6])
 def test_eval_share_covers_each_batch_once_with_equal_forwards(num_batches):
     from slipstream.train.loop import eval_share

@@ -23,7 +23,7 @@ from slipstream.train.loop import train
 COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
 KTO_KEYS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected", "count/desirable")  # fmt: skip
-REWARD_KEYS = ("accuracy", "margin", "mean_reward")
+REWARD_KEYS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
 
 def unpaired_rows(n: int) -> list[dict]:
@@ -85,6 +85,8 @@ def test_reward_run_saves_a_model_transformers_and_peft_load(tiny, tmp_path):
     trains = [r for r in rows if "loss" in r]
     for key in REWARD_KEYS:
         assert key in trains[0] and f"eval_{key}" in evals[0] and f"eval_{key}" in evals[-1]
+    for r in trains + [{k.removeprefix("eval_"): v for k, v in e.items()} for e in evals]:
+        assert r["min_reward"] < r["mean_reward"] < r["max_reward"], r  # extremes, not means
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out pairs
     config_json = json.loads((out / "adapter_config.json").read_text())
     assert config_json["modules_to_save"] == ["score"] and config_json["task_type"] == "SEQ_CLS"
@@ -105,6 +107,21 @@ def test_reward_run_saves_a_model_transformers_and_peft_load(tiny, tmp_path):
         want = [hf(input_ids=torch.tensor([s])).logits[0, 0].item() for s in ids]
     assert scorer.score_ids(ids) == pytest.approx(want, abs=1e-5)
     assert ours.score.weight.requires_grad
+
+
+def test_a_logged_interval_logs_the_extremes_of_its_steps(tiny, tmp_path):
+    """log_every 2 against 1, the same run: `min_reward`/`max_reward` are the min/max of the
+    interval's steps (the meter's fold), and the steps' extremes differ."""
+    for every in (1, 2):
+        raw = config(tiny, "reward", tmp_path / str(every), steps=4, log_every=every)
+        raw["data"]["eval_fraction"] = 0
+        train(config_from_dict(raw))
+    one, two = ([r for r in records(tmp_path / str(e)) if "loss" in r] for e in (1, 2))
+    assert [r["step"] for r in two] == [2, 4] and len(one) == 4
+    for r, (a, b) in zip(two, zip(one[::2], one[1::2], strict=True), strict=True):
+        assert r["min_reward"] == pytest.approx(min(a["min_reward"], b["min_reward"]), abs=1e-6)
+        assert r["max_reward"] == pytest.approx(max(a["max_reward"], b["max_reward"]), abs=1e-6)
+        assert a["min_reward"] != b["min_reward"] and a["max_reward"] != b["max_reward"]
 
 
 def test_full_reward_run_saves_a_sequence_classifier(tiny, tmp_path):

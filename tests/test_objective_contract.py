@@ -65,8 +65,8 @@ class Toy(SFT):
 
 def test_the_contract_lists_every_member():
     assert contract(Objective) == [
-        "name", "perplexity", "online", "metric_names", "iterations", "attach", "tokenize",
-        "length", "collate", "weight", "micro_batch_loss", "report", "save",
+        "name", "perplexity", "online", "metric_names", "metric_extremes", "iterations", "attach",
+        "tokenize", "length", "collate", "weight", "micro_batch_loss", "report", "save",
     ]  # fmt: skip
     assert contract(OnlineObjective)[-2:] == ["rollout", "evaluate"]
 
@@ -77,6 +77,18 @@ def test_a_missing_method_is_named_once_built():
         check_objective(NoWeight(), "here:NoWeight")
     with pytest.raises(TypeError, match=r"lacks evaluate, which an online objective must"):
         check_objective(HalfOnline(), "here:HalfOnline")
+
+
+class BadExtremes(SFT):
+    metric_extremes: ClassVar[dict[str, str]] = {"aux_loss": "median", "elsewhere": "min"}
+
+
+def test_metric_extremes_must_be_named_metrics_reduced_by_min_or_max():
+    from slipstream.objectives.reward import Reward
+
+    check_objective(Reward(), "reward")  # min_reward/max_reward: no error
+    with pytest.raises(TypeError, match=r"metric_extremes .*'aux_loss': 'median'.*'elsewhere'"):
+        check_objective(BadExtremes(), "here:BadExtremes")
 
 
 def test_build_objective_checks_the_contract(monkeypatch):

@@ -172,6 +172,9 @@ def test_reward_matches_trl(setup, kind, options, implementation):
     torch.testing.assert_close(loss_sum / P, loss.detach(), atol=1e-6, rtol=1e-5)
     for key in ("accuracy", "margin", "mean_reward"):
         assert metrics[key].item() / P == pytest.approx(theirs[key], abs=1e-6, rel=1e-5), key
+    for key in ("min_reward", "max_reward"):  # extremes: not per pair
+        assert metrics[key].item() == pytest.approx(theirs[key], abs=1e-6, rel=1e-5), key
+    assert theirs["min_reward"] < theirs["max_reward"]
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     want = _trl_grads(trainer.model)
     lora = [n for n in want if "lora_" in n]

@@ -14,7 +14,9 @@ objective reads its own options from the run config when it is built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -42,6 +44,8 @@ class Objective(Protocol):
     perplexity: bool  # eval logs eval_ppl = exp(eval_loss): the loss is a mean token NLL
     online: bool = False
     metric_names: tuple[str, ...] = ()  # every key micro_batch_loss may return
+    # those reduced by "min" or "max" (over micro-batches, steps and ranks), not summed
+    metric_extremes: Mapping[str, str] = MappingProxyType({})
     iterations: int = 1  # optimizer steps one draw of prompt batches serves (GRPO's mu)
 
     def attach(self, ctx: HookContext, data: Any) -> None:
@@ -99,7 +103,8 @@ class OnlineObjective(Objective, Protocol):
         ...
 
 
-_DEFAULTS = ("online", "metric_names", "iterations", "attach", "report", "save")  # defaults
+_DEFAULTS = ("online", "metric_names", "metric_extremes", "iterations", "attach", "report",
+             "save")  # fmt: skip
 
 
 def contract(protocol: type) -> list[str]:
@@ -125,6 +130,12 @@ def check_objective(objective: Any, where: str) -> None:
         stub = name not in _DEFAULTS and getattr(value, "__func__", _MISSING) is stubs.get(name)
         if value is _MISSING or stub:
             missing.append(name)
+    extremes = getattr(objective, "metric_extremes", {})
+    bad = {n: k for n, k in extremes.items() if n not in objective.metric_names or k not in
+           ("min", "max")}  # fmt: skip
+    if bad:
+        raise TypeError(f"objective {where}: metric_extremes {bad} must map names in its "
+                        "metric_names to 'min' or 'max'")  # fmt: skip
     if missing:
         kind = "an online objective" if protocol is OnlineObjective else "an objective"
         raise TypeError(

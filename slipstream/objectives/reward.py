@@ -15,7 +15,8 @@ which, averaged over the pairs, is TRL's loss (its centring term is mu * mean((c
 The trainer normalises by pairs (`weight`), so grad-accum and data parallelism equal one
 batch of all the pairs. Metrics (TRL's names, summed over pairs; the trainer divides by the
 pairs): `accuracy` (c > r), `margin` (c - r), `mean_reward` ((c + r) / 2: the mean of all
-scores). TRL's `min_reward`/`max_reward` are extremes, not means, and are not logged.
+scores); `min_reward` / `max_reward`, the extremes of every score, reduced by min / max
+over micro-batches, steps and ranks (`metric_extremes`, train/extremes.py).
 
 The result is a reward model transformers loads (checkpoint/reward_model.py): a full
 `*ForSequenceClassification` checkpoint, or with LoRA a PEFT adapter whose
@@ -24,6 +25,7 @@ The result is a reward model transformers loads (checkpoint/reward_model.py): a 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -59,7 +61,8 @@ class Reward(Objective):
 
     name = "reward"
     perplexity = False
-    metric_names = ("accuracy", "margin", "mean_reward")
+    metric_names = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
+    metric_extremes = MappingProxyType({"min_reward": "min", "max_reward": "max"})
 
     def __init__(self, cfg: Any = None, **options: Any) -> None:
         """From a RunConfig (the `reward` section, data options) or, without one, keyword
@@ -128,4 +131,6 @@ class Reward(Objective):
             "accuracy": (c > r).float().sum(),
             "margin": (c - r).sum(),
             "mean_reward": ((c + r) / 2).sum(),
+            "min_reward": scores_CR.detach().min(),  # extremes over both sides, as TRL's
+            "max_reward": scores_CR.detach().max(),
         }

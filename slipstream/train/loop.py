@@ -31,6 +31,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.config import RunConfig
+from slipstream.train import extremes
 from slipstream.train.lock import OutputDirLock
 from slipstream.train.meter import StepMeter
 from slipstream.train.run import Run, finish_run, is_new_best, prepare_run, save
@@ -128,7 +129,8 @@ def accumulate_gradients(
     ddp: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Backward over one optimizer step's micro-batches; returns the summed loss and metric sums
-    (detached device tensors). No host sync here.
+    (the objective's `metric_extremes` their min or max; detached device tensors). No host
+    sync here.
 
     Each micro-batch's summed loss is divided by `weight`, their (or under torchrun
     the whole step's) total of `objective.weight`, so the gradient equals that of one batch
@@ -143,9 +145,9 @@ def accumulate_gradients(
             loss, metrics = dist.run_through(ddp, objective.micro_batch_loss, model, batch)
             (loss * world / weight).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        for name, value in metrics.items():
-            value = value.detach()
-            metric_sums[name] = value if name not in metric_sums else metric_sums[name] + value
+        for name, value in metrics.items():  # summed, or a min/max (train/extremes.py)
+            kind = extremes.kind_of(objective.metric_extremes, name)
+            metric_sums[name] = extremes.fold(kind, metric_sums.get(name), value.detach())
     return loss_sum, metric_sums
 
 
@@ -187,18 +189,25 @@ def evaluate(run: Run) -> dict[str, float]:
         batch = collate_batch(run, run.data.eval, batches[i])
         loss, parts = objective.micro_batch_loss(model, batch)
         for name, value in parts.items():  # every rank the same names, counted or not
-            metrics.setdefault(name, torch.zeros((), device=device))
+            kind = extremes.kind_of(objective.metric_extremes, name)
+            metrics.setdefault(name, extremes.start(kind, device))
             if counted:
-                metrics[name] += value.float()
+                metrics[name] = extremes.fold(kind, metrics[name], value.float())
         if counted:
             total += loss.float()
             count += objective.weight(batch)
     model.train(was_training)
-    names = sorted(metrics)
-    sums = dist.sum_over_ranks([total, *(metrics[n] for n in names), count], device).tolist()
-    count = max(sums[-1], 1)
-    return {"loss": sums[0] / count,
-            **objective.report(dict(zip(names, sums[1:-1], strict=True)), count)}  # fmt: skip
+    sums, mins_maxes = extremes.split(metrics, objective.metric_extremes)
+    names, ext = sorted(sums), sorted(mins_maxes)
+    values = [dist.sum_over_ranks([total, *(sums[n] for n in names), count], device)]
+    if ext:  # one more collective, the same host read
+        kinds = [objective.metric_extremes[n] for n in ext]
+        values.append(dist.extremes_over_ranks([mins_maxes[n] for n in ext], kinds))
+    loss, *read = torch.cat(values).tolist()
+    count = max(read[len(names)], 1)
+    return {"loss": loss / count,
+            **objective.report(dict(zip(names, read[: len(names)], strict=True)), count),
+            **dict(zip(ext, read[len(names) + 1 :], strict=True))}  # fmt: skip
 
 
 def eval_share(num_batches: int, rank: int, world: int) -> list[tuple[int, bool]]:

@@ -18,6 +18,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.config import dump_config
+from slipstream.train import extremes
 from slipstream.train.flops import StepFlops
 from slipstream.train.metrics import MetricsLog, peak_flops, peak_memory_gb, perplexity
 
@@ -31,6 +32,7 @@ class StepMeter:
         self.log_every, self.total_steps = t.log_every, run.total_steps
         self.perplexity = run.objective.perplexity
         self.metric_names = set(run.objective.metric_names)
+        self.extremes = dict(run.objective.metric_extremes)  # {name: "min" | "max"}
         self.report = run.objective.report  # the logged values from the interval's sums
         self.guard = run.guard
         config = run.cfg.model_dump(mode="json")
@@ -59,8 +61,9 @@ class StepMeter:
             raise RuntimeError(f"objective returned metrics {sorted(unknown)} that its "
                                f"metric_names {sorted(self.metric_names)} lack")  # fmt: skip
         self.loss += loss
-        for name, value in metrics.items():
-            self.metrics.setdefault(name, torch.zeros((), device=self.device)).add_(value)
+        for name, value in metrics.items():  # summed, or a min/max (train/extremes.py)
+            kind = extremes.kind_of(self.extremes, name)
+            self.metrics[name] = extremes.fold(kind, self.metrics.get(name), value)
         self.weight += weight
         self.tokens += sum(b.input_ids.numel() for b in micro_batches)
         if self.step_flops:  # from the host lengths: no device work
@@ -94,18 +97,24 @@ class StepMeter:
         return stopping
 
     def _log_step(self, step: int, grad_norm: torch.Tensor, lr: float, stop: bool) -> bool:
-        names = sorted(self.metrics)  # the same on every rank: the objective reports them
-        values = [self.loss, *(self.metrics[n] for n in names)]
+        # the same names on every rank: the objective reports them
+        summed, mins_maxes = extremes.split(self.metrics, self.extremes)
+        names, ext = sorted(summed), sorted(mins_maxes)
+        values = [self.loss, *(summed[n] for n in names)]
         # The one host sync of a logged step: sums over ranks (one collective under
-        # torchrun) and the grad norm in one transfer.
+        # torchrun; a second, MIN, for the objective's extremes) and the grad norm in one
+        # transfer.
         sums = dist.sum_over_ranks([*values, self.weight, self.tokens, self.flops, stop],
                                    self.device)  # fmt: skip
+        kinds = [self.extremes[n] for n in ext]
+        reduced = [dist.extremes_over_ranks([mins_maxes[n] for n in ext], kinds)] if ext else []
         norm_1 = dist.full_tensor(grad_norm).double().view(1)
-        loss, *rest = torch.cat([sums, norm_1, *self.guard.counters()]).tolist()
-        *means, weight, tokens, flops, stops, norm = rest[: -self.guard.num_counters]
+        read = torch.cat([sums, *reduced, norm_1, *self.guard.counters()]).tolist()
+        loss, *means, weight, tokens, flops, stops = read[: len(sums)]
+        *ext_values, norm = read[len(sums) : len(sums) + len(ext) + 1]
         weight = max(weight, 1)
         # Non-finite steps since the last read: skipped and counted, or exit 2 (nonfinite.py)
-        skipped = self.guard.check(rest[-self.guard.num_counters :], step, loss / weight)
+        skipped = self.guard.check(read[-self.guard.num_counters :], step, loss / weight)
         now = time.perf_counter()
         elapsed = max(now - self.last_time - self.rollout_s, 1e-9)  # the training part
         rollout = {}
@@ -128,13 +137,13 @@ class StepMeter:
                 "mfu": mfu,
                 **({"skipped_steps": skipped} if self.guard.limit else {}),
                 **self.report(dict(zip(names, means, strict=True)), weight),
+                **dict(zip(ext, ext_values, strict=True)),  # the interval's min / max
                 **rollout,
             }
         )
         self.rollout_s, self.rollout_stats = 0.0, {}
         self.loss.zero_()
-        for value in self.metrics.values():
-            value.zero_()
+        self.metrics = {}
         self.weight = self.tokens = self.flops = 0
         self.last_time = now
         return stops > 0
