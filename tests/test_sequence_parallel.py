@@ -93,10 +93,13 @@ def sp_config(sp_data, out, **train):
     }  # fmt: skip
 
 
-def test_two_rank_sequence_parallel_run_matches_one_process(sp_data, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_rank_sequence_parallel_run_matches_one_process(sp_data, tmp_path, parallel):
+    """DDP, and FSDP2 (each decoder layer sharded over both ranks, the 2-D mesh's one data
+    group), with the micro-batches split by sequence: one process's run."""
     single, multi = tmp_path / "single", tmp_path / "sp"
     train(config_from_dict(sp_config(sp_data, single)))
-    check(train_job(sp_config(sp_data, multi, sequence_parallel=2), tmp_path))
+    check(train_job(sp_config(sp_data, multi, sequence_parallel=2, parallel=parallel), tmp_path))
     la, lb = losses(single), losses(multi)
     assert sorted(lb) == [1, 2, 3, 4]
     for step in la:
