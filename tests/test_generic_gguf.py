@@ -367,7 +367,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
 # Every type that exports, at LAYOUT's configs; Llama 4 with 4 layers so that its NoPE layer
 # (the 4th: full attention, temperature-scaled queries) and two MoE layers run too.
 RUNS = {**{t: LAYOUT[t][4] for t in LAYOUT}, "qwen2_moe": {},
-        "llama4_text": {**LLAMA4, "num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0],
+        "llama4_text": {**LLAMA4, "layers": 4, "no_rope_layers": [1, 1, 1, 0],
                         "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
                         "moe_layers": [1, 3]}}  # fmt: skip
 
