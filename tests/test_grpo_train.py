@@ -59,7 +59,9 @@ def grpo_config(tiny, out, **grpo):
 
 
 KEYS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/length/mean", "rewards/has_e/std",
-        "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+        "completions/mean_length", "completions/min_length", "completions/max_length",
+        "completions/clipped_ratio", "completions/mean_terminated_length",
+        "completions/min_terminated_length", "completions/max_terminated_length",
         "clip_ratio/region_mean", "gen_time_s", "rollout_time_s", "train_time_s",
         "gen_tokens_per_s", "tokens_per_s")  # fmt: skip
 
@@ -83,7 +85,10 @@ def test_a_grpo_run_logs_rollout_metrics_and_saves_an_adapter(straight):
     for r in steps:
         for key in KEYS:
             assert key in r, (key, r)
-        assert 1 <= r["completions/mean_length"] <= r["completions/max_length"] <= 12
+        c = {k.removeprefix("completions/"): v for k, v in r.items() if "completions/" in k}
+        assert 1 <= c["min_length"] <= c["mean_length"] <= c["max_length"] <= 12
+        assert c["min_terminated_length"] <= c["mean_terminated_length"]
+        assert c["mean_terminated_length"] <= c["max_terminated_length"] <= c["max_length"]
         assert 0 < r["gen_time_s"] <= r["rollout_time_s"] and r["train_time_s"] > 0
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
     # 2 prompts a micro-batch, 2 micro-batches: 4 prompts x 4 completions a step

@@ -46,7 +46,8 @@ def test_an_rloo_run_logs_its_metrics_and_saves_an_adapter(straight, tiny):  # n
     steps = [r for r in lines(out) if "loss" in r]
     for r in steps:
         for key in ("reward", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean",
-                    "gen_tokens_per_s", "completions/mean_length"):  # fmt: skip
+                    "gen_tokens_per_s", "completions/mean_length", "completions/min_length",
+                    "completions/max_terminated_length"):  # fmt: skip
             assert key in r, (key, r)
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
     assert_adapter_loads_in_peft(tiny[0], out)  # peft's logits = ours
@@ -99,7 +100,9 @@ def test_two_ranks_match_one_process(tiny, tmp_path):  # noqa: F811
     got = {r["step"]: r for r in lines(tmp_path / "ddp") if "loss" in r}
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for step, w in want.items():
-        for key in ("loss", "kl", "reward", "completions/mean_length"):
+        for key in ("loss", "kl", "reward", "completions/mean_length", "completions/min_length",
+                    "completions/max_length", "completions/min_terminated_length",
+                    "completions/max_terminated_length", "completions/clipped_ratio"):  # fmt: skip
             assert got[step][key] == pytest.approx(w[key], abs=1e-5), (step, key)
         assert got[step]["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), step
     assert_same_adapter(tmp_path / "ddp", tmp_path / "single", atol=2e-5, rtol=1e-4)

@@ -290,6 +290,49 @@ def trl_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".default", "")
 
 
+COMPLETION_STATS = [f"{k}_length" for k in ("mean", "min", "max", "mean_terminated",
+                                             "min_terminated", "max_terminated")]  # fmt: skip
+COMPLETION_STATS.append("clipped_ratio")
+
+
+def test_completion_stats_equal_trl(tmp_path):
+    """TRL's `completions/*` metrics (its `_generate`, the sampling fixed) and our rollout's
+    on the same completions: some end in the eos (the eos counted in the length), the rest
+    are cut; then none ends (TRL logs 0 for the terminated lengths)."""
+    from slipstream.objectives.rloo import RLOO
+
+    trainer = make_trainer(tmp_path, beta=0.0)
+    eos = trainer.eos_token_ids[0]
+    other = next(t for t in range(300) if t not in (*trainer.eos_token_ids,
+                                                     trainer._tokenizer.pad_token_id))  # fmt: skip
+    prompts, completions = fixed_completions()
+    examples = [SimpleNamespace(prompt_ids=p) for p in prompts[::G]]
+    for ended in ([0, 3, 4, 6], []):
+        completions = [[*c[:-1], eos if i in ended else other] for i, c in enumerate(completions)]
+        trainer._tokenize_prompts = lambda p: (prompts, None, None)
+        trainer._generate_single_turn = lambda *a, c=completions: c
+        trainer.model.train()
+        trainer._generate([{"prompt": "hi"}] * len(prompts))
+        theirs = {k: trainer._metrics["train"][f"completions/{k}"][-1] for k in COMPLETION_STATS}
+
+        objective = RLOO(rewards=WeightedRewards(), num_generations=G,
+                         max_completion_tokens=MAX_LEN, temperature=TEMP, beta=0.0)  # fmt: skip
+        rows = [SimpleNamespace(token_ids=c, finish_reason="stop" if i in ended else "length")
+                for i, c in enumerate(completions)]  # fmt: skip
+        objective.sample = lambda *a, r=rows, **k: (examples, r, 0.0)
+        objective.score = lambda *a, **k: REWARDS.clone()
+        _, rollout = objective.generate_batches(None, None, [SimpleNamespace(examples=examples)],
+                                                "cpu", seeds=[0])  # fmt: skip
+        ours = {k: rollout["stats"][f"completions/{k}"] for k in COMPLETION_STATS}
+        assert ours == pytest.approx(theirs, abs=1e-6), ended
+        lengths = [len(c) for c in completions]
+        assert theirs["clipped_ratio"] == 1 - len(ended) / len(completions)
+        assert theirs["min_length"] < theirs["max_length"] and max(lengths) > min(lengths)
+        if ended:  # the terminated lengths are a part's: not every completion's
+            assert theirs["mean_terminated_length"] != theirs["mean_length"]
+    assert theirs["max_terminated_length"] == 0  # the last case: none ended
+
+
 def test_grad_accum_and_packing_equal_one_batch(tmp_path, monkeypatch):
     """A rollout's completions in one packed micro-batch, in two (grad-accum) and one per
     micro-batch (each sequence alone): the same loss, clip counts and every gradient. Old

@@ -65,6 +65,22 @@ def build_rewards(specs: list[dict]) -> Any:
     return build(specs)
 
 
+def completion_stats(lengths: list[int], truncated: list[bool]) -> dict[str, float]:
+    """TRL's `completions/*` stats of a rollout (every rank's completions): lengths in tokens
+    (the eos counted), `clipped_ratio` the share cut at the limit, and the lengths of those
+    that ended (all 0 when none did, as TRL logs them)."""
+    ended = [n for n, t in zip(lengths, truncated, strict=True) if not t] or [0]
+    return {
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "completions/min_length": float(min(lengths)),
+        "completions/max_length": float(max(lengths)),
+        "completions/clipped_ratio": sum(truncated) / len(truncated),
+        "completions/mean_terminated_length": sum(ended) / len(ended),
+        "completions/min_terminated_length": float(min(ended)),
+        "completions/max_terminated_length": float(max(ended)),
+    }
+
+
 class GRPO(OnlineObjective):
     """The objective the trainer runs for train.objective = grpo."""
 
@@ -290,9 +306,7 @@ class GRPO(OnlineObjective):
             "reward": float(total_S.nanmean()),
             "reward_std": float(nanstd(total_S)),
             "frac_reward_zero_std": float(zero_S.float().mean()),
-            "completions/mean_length": sum(lengths) / len(lengths),
-            "completions/max_length": float(max(lengths)),
-            "completions/clipped_ratio": sum(truncated) / len(truncated),
+            **completion_stats(lengths, truncated),
             "gen_time_s": gen_s,
             "gen_tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
         }
