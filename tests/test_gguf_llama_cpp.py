@@ -43,11 +43,26 @@ def tiny(kind: str):
     return make_hf_model(kind, **{**DENSE, **OVERRIDES.get(kind, {})})
 
 
+def _no_repack_params():
+    """llama.cpp's model defaults with weight repacking off (llama-cli's --no-repack): on a
+    CPU with AMX, llama-cpp-python 0.3.36 repacks Q8_0/K-quant weights for its AMX kernels
+    and segfaults in decode, on llama.cpp's own quantization of our f32 file as on ours."""
+    params = _default_model_params()
+    params.use_extra_bufts = False
+    return params
+
+
+_default_model_params = llama_cpp.llama_model_default_params
+
+
 def llama_cpp_logits(path, ids: list[int], lora=None):
-    llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
-        lora_path=str(lora) if lora else None,
-    )  # fmt: skip
+    from unittest import mock
+
+    with mock.patch("llama_cpp.llama.llama_cpp.llama_model_default_params", _no_repack_params):
+        llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
+            lora_path=str(lora) if lora else None,
+        )  # fmt: skip
     llm.eval(ids)
     return llm, torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
 
