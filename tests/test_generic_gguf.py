@@ -1,9 +1,8 @@
 """GGUF export of models built by transformers' modeling code (checkpoint/gguf_generic.py):
-OLMo 2, Mixtral, Gemma 2, StarCoder2, StableLM, Phi, Granite and SmolLM3 as llama.cpp names and
-lays them out; Qwen2-MoE, Gemma 2, StarCoder2 and StableLM read back by transformers' own GGUF
-reader (its inverse of llama.cpp's converter) to our logits; in llama.cpp itself (llama-cpp-python,
-the `slipstream[gguf]` extra: skipped where it is not installed) their logits and greedy
-tokens are ours; other types are refused in one line naming the type."""
+every exporting type (LAYOUT) as llama.cpp names and lays it out; some read back by
+transformers' own GGUF reader (its inverse of llama.cpp's converter) to our logits; in
+llama.cpp itself (llama-cpp-python, the `slipstream[gguf]` extra: skipped where it is not
+installed) every one's logits and greedy tokens are ours; other types are refused in one line."""
 
 from __future__ import annotations
 
