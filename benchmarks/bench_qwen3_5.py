@@ -10,8 +10,9 @@ of 32 (attention), DeltaNet 4 key heads / 8 value heads of 32, vocab 8192; MoE: 
 256 top-2 and a shared expert of 256. A step: `model.loss` on the labelled positions of 2,048
 packed tokens in 8 sequences (random lengths >= 16, most spanning several 64-token chunks),
 backward, AdamW over LoRA r16 on the attention and DeltaNet projections (+ the MLP's on the
-dense model; generic MoE experts take no LoRA yet, so on the MoE both adapt attention and
-DeltaNet only). Timed interleaved; syncs = `count_syncs` over loss and backward.
+dense model; on the MoE both adapt attention and DeltaNet only: the MLP names reach the
+shared expert and the experts natively, the experts alone on the generic path). Timed
+interleaved; syncs = `count_syncs` over loss and backward.
 
 Prediction: native ahead by the per-sequence split the generic path needs (8 DeltaNet calls
 a layer instead of one, each on 64-token chunks) and transformers' module overhead:
@@ -60,8 +61,8 @@ def trainer_step(folder: str, implementation: str, moe: bool, ids, labels, seq):
     from slipstream.peft.lora import apply_lora
 
     model = load_model(folder, implementation=implementation).train()
-    # MoE: no MLP names (on the native path gate/up/down_proj also name the experts, which
-    # the generic path does not adapt yet): both paths train the same factors.
+    # MoE: no MLP names (natively gate/up/down_proj name the shared expert's linears and the
+    # experts, on the generic path the experts alone): both paths train the same factors.
     apply_lora(model, rank=16, alpha=32, targets=TARGETS[:7] if moe else TARGETS)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
