@@ -62,13 +62,10 @@ def check_model(model: Any, n: int) -> None:
         return
     cfg = model.config
     key = f"train.sequence_parallel={n}"
-    if getattr(cfg, "implementation", "native") != "native":
-        raise ValueError(
-            f"{key}: {cfg.model_type} runs through transformers' modeling code, whose layers "
-            "(recurrent or linear attention among them) cannot be split by sequence; "
-            "sequence parallelism needs a native family (docs/generic.md)"
-        )
-    recurrent = _non_attention_layers(model)
+    generic = getattr(cfg, "implementation", "native") != "native"
+    if generic:
+        _check_generic(model, key)
+    recurrent = [] if generic else _non_attention_layers(model)
     if recurrent:
         kinds = ", ".join(sorted({k for _, k in recurrent}))
         raise ValueError(
@@ -76,7 +73,9 @@ def check_model(model: Any, n: int) -> None:
             f"{recurrent[0][0]}) carry a state from token to token, which a rank cannot start "
             "without the previous shard's; sequence parallelism splits attention layers only"
         )
-    H, G = cfg.num_attention_heads, cfg.num_key_value_heads
+    H = cfg.num_attention_heads
+    kv = [g for g, _, _ in model.kv_layout()]  # per layer (Gemma 4's differ)
+    G = next((g for g in kv if g % n), kv[0])
     if H % n or G % n:
         raise ValueError(
             f"{key} must divide the attention heads ({H} query, {G} key/value heads of "
@@ -92,6 +91,45 @@ def check_model(model: Any, n: int) -> None:
             f"{key}: the MoE load-balancing loss needs every token's routing at once; "
             "set train.router_aux_loss_coef=0"
         )
+
+
+def _check_generic(model: Any, key: str) -> None:
+    """transformers' modeling code (models/generic.py): its softmax attention goes through our
+    attention function, so `attend` does the shard's all-to-alls (ops/ulysses.py) and RoPE
+    reads each token's position from the shard's `SeqInfo` (the position ids the backbone is
+    given); refused: what a shard cannot compute alone."""
+    from slipstream.models.generic import GenericCausalLM
+
+    cfg = model.config
+    if model.per_sequence:  # generic_hooks.per_sequence_mixers: they carry a state
+        first = model.per_sequence[0]
+        mixer = model.decoder_layers().get_submodule(first.removeprefix("layers."))
+        cls = type(mixer).__name__.removeprefix("PerSequence")
+        raise ValueError(
+            f"{key}: {first} of {cfg.model_type} ({cls}; {len(model.per_sequence)} such "
+            "layers) carries a state from token to token, which a rank cannot start without "
+            "the previous shard's; sequence parallelism splits softmax attention layers only"
+        )
+    if type(model) is not GenericCausalLM:
+        raise ValueError(
+            f"{key}: {cfg.model_type} is an image-text model (its positions come from its "
+            "images); sequence parallelism serves text models only"
+        )
+    dynamic = sorted(t for t in _rope_types(cfg.hf) if "dynamic" in t or t == "longrope")
+    if dynamic:
+        raise ValueError(
+            f"{key}: {cfg.model_type}'s RoPE ({dynamic[0]}) picks its tables from the longest "
+            "position in the forward, which a shard does not see; train without sequence "
+            "parallelism"
+        )
+
+
+def _rope_types(hf: Any) -> set[str]:
+    """Every `rope_type` in a config.json dict (per layer kind, text config included)."""
+    if isinstance(hf, dict):
+        found = {v for k, v in hf.items() if k == "rope_type" and isinstance(v, str)}
+        return found.union(*(_rope_types(v) for v in hf.values()))
+    return set()
 
 
 def _non_attention_layers(model: Any) -> list[tuple[int, str]]:

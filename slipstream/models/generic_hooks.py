@@ -74,7 +74,9 @@ def slipstream_attention(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature over `attend`: -> ((1, T, H, Dh), None)."""
+    """transformers' attention-function signature over `attend`: -> ((1, T, H, Dh), None).
+    Under sequence parallelism `seq` is this rank's shard and `attend` does the all-to-alls
+    around the whole batch's attention (ops/ulysses.py)."""
     seq = current_seq(kwargs)
     if seq is None:
         raise ValueError(
@@ -106,11 +108,12 @@ def chunked(module: nn.Module, seq: SeqInfo) -> SeqInfo:
     if not kinds or i is None or kinds[i] != "chunked_attention":
         return seq
     size = int(config.attention_chunk_size)
-    if seq.max_seqlen <= size:
+    longest = seq.max_seqlen if seq.shard is None else seq.shard.full.max_seqlen
+    if longest <= size:
         return seq
     if seq.kv is not None or seq.shard is not None:
         raise ValueError(
-            f"{type(module).__name__}: chunked attention over {seq.max_seqlen} tokens "
+            f"{type(module).__name__}: chunked attention over {longest} tokens "
             f"(attention_chunk_size {size}) is not supported with a KV cache or sequence "
             "parallelism here; keep sequences within the chunk size."
         )

@@ -1,12 +1,14 @@
 """Run under torchrun by tests/test_sequence_parallel.py (2 gloo ranks, CPU, float32): for a few
 tiny native models (GQA llama; GPT-OSS: sinks, a sliding window, MoE; Gemma 3: local and
-global RoPE, windows), one training step on a packed batch of uneven sequences (the longest
+global RoPE, windows) and generic ones (transformers' modeling code: OLMo 2, Mixtral without
+its router loss), one training step on a packed batch of uneven sequences (the longest
 spans both ranks' shards) split by `train.sequence_parallel`'s code, against the same step
 on the whole batch in this process. The ranks' summed losses and all-reduced gradients must
 equal the whole batch's. Also the live-tensor peak of both steps (activations, not weights).
-Writes OUT/rank-R.json.
+Writes OUT/rank-R.json, for the model types named after OUT (default: every one).
 
-Usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_step.py OUT
+Usage (PYTHONPATH=.:tests): python -m torch.distributed.run --nproc_per_node 2
+    -m helpers.sequence_parallel_step OUT [MODEL_TYPE ...]
 """
 
 from __future__ import annotations
@@ -47,11 +49,21 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-6,
     ),
 }  # fmt: skip
+GENERIC = ("olmo2", "mixtral")  # tiny_hf's configs, built by models/generic.py
 
 
 def build(model_type: str) -> torch.nn.Module:
-    family = family_for(model_type, "test")
-    model = family.build(family.config_from_hf({**MODELS[model_type], "model_type": model_type}))
+    if model_type in GENERIC:
+        from helpers.tiny_hf import tiny_config
+        from slipstream.models import generic
+
+        hf = tiny_config(model_type, vocab_size=97).to_dict()
+        model = generic.build(generic.config_from_hf({**hf, "model_type": model_type}))
+        model.router_aux_loss_coef = 0.0  # Mixtral's: refused under sequence parallelism
+    else:
+        family = family_for(model_type, "test")
+        hf = {**MODELS[model_type], "model_type": model_type}
+        model = family.build(family.config_from_hf(hf))
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -78,11 +90,11 @@ def step(model, b, weight: int) -> tuple[float, dict[str, torch.Tensor], int]:
     return loss.item() / weight, grads, live.peak - live.start
 
 
-def main(out: str) -> None:
+def main(out: str, model_types: list[str]) -> None:
     dist.init(torch.device("cpu"), timeout_s=60)
     mesh = build_mesh(2)
     results = {}
-    for model_type in MODELS:
+    for model_type in model_types or (*MODELS, *GENERIC):
         model = build(model_type)
         apply_checkpointing(model, "recompute")  # the recompute runs the all-to-alls again
         whole = batch()
@@ -108,4 +120,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
