@@ -51,6 +51,7 @@ FALCON_H1 = dict(embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_
                  ssm_out_multiplier=0.8, ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3],
                  mlp_multipliers=[0.6, 1.4], mamba_n_groups=2, mamba_rms_norm=True,
                  mamba_norm_before_gate=False)  # fmt: skip
+NEMOTRON = dict(moe_shared_expert_intermediate_size=32, n_groups=2)
 # model_type -> (llama.cpp architecture, experts, tensors per layer, Q/K permuted, overrides)
 LAYOUT = {
     "olmo2": ("olmo2", None, 11, False, {}),  # q/k/v/o, q/k norms, gate/up/down, 2 post-norms
@@ -81,6 +82,10 @@ LAYOUT = {
     # expert groups (2 of 2 experts, 1 used): llama.cpp's group-limited routing runs too
     # falcon_h1: norm, q/k/v/o, ssm in/conv (+ bias)/dt bias/A/D/norm/out, ffn norm + 3 (17)
     "falcon_h1": ("falcon-h1", None, 17, False, FALCON_H1),
+    # nemotron_h: a MoE layer 0 (norm, router, bias, 2 gateless expert stacks, 2 shared: 7),
+    # an attention layer 1 (norm, q/k/v/o: 5); its Mamba-2 layers run in the llama.cpp test
+    "nemotron_h": ("nemotron_h_moe", 4, 7, False,
+                   {**NEMOTRON, "layers_block_type": ["moe", "full_attention"]}),
     "deepseek_v3": ("deepseek2", 4, 13, False, {"head_dim": 4, "n_group": 2, "topk_group": 1}),
 }  # fmt: skip
 
@@ -95,7 +100,8 @@ def _arch_enum(name: str):
 # The tensors outside the layers: embedding, final norm, head (a LayerNorm's bias, the head's)
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
            "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5, "llama4_text": 3 + 4,
-           "deepseek_v3": 3 + 5}  # fmt: skip
+           "deepseek_v3": 3 + 5,
+           "nemotron_h": 3 - 2}  # (5 - 7 of layer 1)  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -118,12 +124,14 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     reader = gguf.GGUFReader(str(path))
     fields = _fields(reader)
     assert fields["general.architecture"] == arch
-    rope = model.hf.config.rope_parameters
-    theta = rope.get("full_attention", rope)["rope_theta"]  # olmo3: per layer type
-    assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
+    if model_type != "nemotron_h":  # whose attention has no RoPE
+        rope = model.hf.config.rope_parameters
+        theta = rope.get("full_attention", rope)["rope_theta"]  # olmo3: per layer type
+        assert fields[f"{arch}.rope.freq_base"] == [pytest.approx(theta)]
     kv = model.hf.config.num_key_value_heads
     kv = [0, kv] if model_type == "lfm2" else [kv]  # lfm2: per layer, 0 on its conv layer
     kv = [1] if model_type == "deepseek_v3" else kv  # MLA absorbed: one compressed K/V head
+    kv = [0, kv[0]] if model_type == "nemotron_h" else kv  # per layer: 0 off attention
     assert fields[f"{arch}.block_count"] == [2]
     assert fields[f"{arch}.attention.head_count_kv"] == kv
     assert fields.get(f"{arch}.expert_count") == ([experts] if experts else None)
@@ -134,10 +142,16 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
         stem = name.removesuffix(".weight").removesuffix(".bias")
         assert any(stem == k.format(bid=b) for k in known for b in (0, 1)), name
     q_name, hf_q_name = (
-        ("attn_q_b", "q_b_proj") if model_type == "deepseek_v3" else ("attn_q", "q_proj")
+        ("attn_q_b", "self_attn.q_b_proj")
+        if model_type == "deepseek_v3"
+        else (
+            ("attn_q", "mixer.q_proj")
+            if model_type == "nemotron_h"
+            else ("attn_q", "self_attn.q_proj")
+        )
     )
     q = torch.from_numpy(tensors[f"blk.1.{q_name}.weight"].data.copy())
-    hf_q = state[f"model.layers.1.self_attn.{hf_q_name}.weight"]
+    hf_q = state[f"model.layers.1.{hf_q_name}.weight"]
     want_q = permute_rotary(hf_q, 4) if permuted else hf_q
     if model_type == "falcon_h1":  # attention_in_multiplier folded in
         want_q = want_q * 0.7
@@ -151,7 +165,7 @@ def test_generic_gguf_has_llama_cpps_names_and_layout(tmp_path, quiet, tokenizer
     torch.testing.assert_close(  # falcon_h1's SSM norm: (groups, d / groups)
         norm.flatten(), hf_norm + 1 if model_type == "gemma2" else hf_norm
     )
-    if experts:  # the first MoE layer (glm4_moe's layer 0 is dense)
+    if experts and model_type != "nemotron_h":  # the first MoE layer (glm4_moe's 0 is dense)
         key = next(n for n in state if n.endswith("experts.gate_up_proj"))
         gate_up, i = state[key], key.split(".")[2]  # (E, 2I, D), gate first
         if model_type == "llama4_text":  # Llama 4's (E, D, 2I)
@@ -217,6 +231,10 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
                           ("expert_gating_func", 2), ("expert_weights_norm", True),
                           ("expert_weights_scale", pytest.approx(2.5))]:  # fmt: skip
             assert fields[f"deepseek2.{key}"] == [want], key
+    if model_type == "nemotron_h":  # per layer: the MoE width on MoE layers, else 0
+        assert fields["nemotron_h_moe.feed_forward_length"] == [16, 0]
+        assert fields["nemotron_h_moe.expert_shared_feed_forward_length"] == [32]
+        assert fields["nemotron_h_moe.ssm.group_count"] == [2]
     if model_type == "falcon_h1":
         for key, want in [("ssm.conv_kernel", 4), ("ssm.inner_size", 32), ("ssm.state_size", 8),
                           ("ssm.time_step_rank", 4), ("ssm.group_count", 2)]:  # fmt: skip
@@ -298,7 +316,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
     with pytest.raises(ValueError, match="model_type .mamba. has no llama.cpp arch") as e:
         export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
-    for model_type in ("qwen3_next", "nemotron_h"):  # llama.cpp knows them: not written here
+    for model_type in ("qwen3_next",):  # llama.cpp knows it: not written here
         other = _generic(tmp_path / model_type, model_type)
         with pytest.raises(ValueError, match=f"{model_type}. .llama.cpp's .*not written") as e:
             export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
@@ -348,6 +366,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
             {"time_step_limit": [0.0, 10.0]},
             r"falcon_h1 with time_step_limit=\(0.0, 10.0\)",
         ),
+        ("nemotron_h", {"layers_block_type": ["mlp", "moe"]}, "nemotron_h with dense mlp layers"),
         ("llama4_text", {**LLAMA4, "moe_layers": [0, 1]}, r"llama4_text with moe_layers=\[0, 1\]"),
         (
             "llama4_text",
@@ -366,6 +385,9 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
 # Every type that exports, at LAYOUT's configs; Llama 4 with 4 layers so that its NoPE layer
 # (the 4th: full attention, temperature-scaled queries) and two MoE layers run too.
 RUNS = {**{t: LAYOUT[t][4] for t in LAYOUT}, "qwen2_moe": {},
+        "nemotron_h": {**NEMOTRON, "layers": 4,  # Mamba-2, attention, MoE, Mamba-2
+                       "layers_block_type": ["linear_attention", "full_attention", "moe",
+                                             "linear_attention"]},
         "llama4_text": {**LLAMA4, "layers": 4, "no_rope_layers": [1, 1, 1, 0],
                         "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
                         "moe_layers": [1, 3]}}  # fmt: skip

@@ -44,13 +44,8 @@ _QWEN3NEXT = ("(llama.cpp's qwen3next) is not written by slipstream yet: its Gat
               "tensors (qkvz/ba regrouped per key head, A as -exp(A_log), the gated attention's "
               "q/gate split, offset norms + 1) are not mapped here; export the merged HF "
               "checkpoint and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
-_NEMOTRON_H = ("(llama.cpp's nemotron_h_moe: transformers' config always has num_experts_per_tok) "
-               "is not written by slipstream yet: its per-layer hybrid pattern, ReLU^2 experts "
-               "without gates and latent MoE are not mapped here; export the merged HF "
-               "checkpoint and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
 NOT_WRITTEN = {
     "qwen3_next": _QWEN3NEXT,
-    "nemotron_h": _NEMOTRON_H,
     **{kind: _QWEN35.format("qwen35") for kind in ("qwen3_5_text", "qwen3_5")},
     **{kind: _QWEN35.format("qwen35moe") for kind in ("qwen3_5_moe_text", "qwen3_5_moe")},
     **{kind: _GEMMA4 for kind in ("gemma4_text", "gemma4")},
@@ -95,10 +90,16 @@ def check_supported(cfg: Any) -> None:
     spec_for(cfg).check(cfg, text_hf(cfg))
 
 
+def block_count(cfg: Any) -> int:
+    """The decoder layers: config.json's num_hidden_layers, or where it has none (Nemotron-H:
+    transformers counts its layers_block_type) the length of that list."""
+    return cfg.num_hidden_layers or len(text_hf(cfg).get("layers_block_type") or [])
+
+
 def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
     """Hyperparameters under llama.cpp's keys (`GGUFWriter.add_*`), as its converter writes them."""
     hf = text_hf(cfg)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(block_count(cfg))
     w.add_context_length(int(hf.get("max_position_embeddings") or 4096))
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -131,7 +132,7 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     cfg = model.config
     spec = spec_for(cfg)
     arch = gguf.MODEL_ARCH[spec.arch]
-    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, block_count(cfg))
     experts: dict[str, dict[int, torch.Tensor]] = {}
     num_experts = getattr(cfg, "num_experts", None) or _num_experts(cfg)
 

@@ -69,6 +69,12 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   A as -exp(A_log), dt_bias as ssm_dt.bias, D and A as (H, 1), the conv kernel (C, K), the
   grouped norm (G, d/G); NeoX RoPE (no permutation). Refused: biases (only weights are
   scaled), no conv bias, norm before gate, a dt clamp, a tied head with multipliers.
+- nemotron_h: NEMOTRON_H_MOE (llama.cpp's `nemotron_h_moe`, which its converter picks since
+  transformers' config has num_experts_per_tok; conversion/nemotron.py, src/models/nemotron-h.cpp):
+  Mamba-2, attention (no RoPE) and MoE layers told apart by per-layer K/V heads and FFN widths
+  (both 0: Mamba-2), the mixers under the table's backbone.* names, gateless ReLU^2 experts
+  stacked as HF holds them, sigmoid routing with the score bias, the gated grouped SSM norm;
+  refused: dense mlp layers (every FFN layer is MoE there), latent MoE, biases, groups.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -830,7 +836,116 @@ FALCON_H1 = GGUFSpec(
     ),
 )  # fmt: skip
 
+
+def _nemotron_kinds(cfg: Any, hf: dict) -> list[str]:
+    return list(
+        hf.get("layers_block_type") or []
+    )  # transformers' layer count (no num_hidden_layers)
+
+
+def _nemotron_h_check(cfg: Any, hf: dict) -> None:
+    kinds = _nemotron_kinds(cfg, hf)
+    if "mlp" in kinds:  # the converter picks nemotron_h_moe: every FFN layer is MoE there
+        _refuse(
+            "nemotron_h", "dense mlp layers", "llama.cpp's nemotron_h_moe runs FFN layers as MoE"
+        )
+    if "moe" not in kinds:
+        _refuse("nemotron_h", "no moe layer", "llama.cpp's nemotron_h_moe needs its experts")
+    for key in ("moe_latent_size", "mlp_bias", "attention_bias", "use_bias", "mamba_proj_bias"):
+        if hf.get(key):
+            _refuse("nemotron_h", f"{key}={hf[key]}", "not written for llama.cpp here")
+    if not hf.get("use_conv_bias", True):
+        _refuse("nemotron_h", "use_conv_bias=false", "llama.cpp's mamba2 adds a conv bias")
+    if int(hf.get("n_group") or 1) > 1:
+        _refuse("nemotron_h", f"n_group={hf['n_group']}",
+                "llama.cpp's converter writes no group count used")  # fmt: skip
+    limit = tuple(
+        float(x["__float__"] if isinstance(x, dict) else x)
+        for x in hf.get("time_step_limit") or (0.0, float("inf"))
+    )
+    if limit != (0.0, float("inf")):
+        _refuse("nemotron_h", f"time_step_limit={limit}", "llama.cpp's mamba2 does not clamp dt")
+    _activation("nemotron_h", hf, "mlp_hidden_act", ("relu2",))
+    _activation("nemotron_h", hf, "mamba_hidden_act", ("silu",))
+
+
+def _nemotron_h_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    kinds = _nemotron_kinds(cfg, hf)
+    for key in ("{arch}.attention.head_count_kv", "{arch}.feed_forward_length",
+                "{arch}.attention.layer_norm_rms_epsilon"):  # fmt: skip
+        _overwrite(w, key)
+    # llama.cpp tells layers apart by these: both 0 is Mamba-2, K/V heads attention, a width MoE
+    w.add_head_count_kv(
+        [
+            cfg.num_key_value_heads if "attention" in k and k != "linear_attention" else 0
+            for k in kinds
+        ]
+    )
+    ff = int(hf["moe_intermediate_size"])
+    w.add_feed_forward_length([ff if k == "moe" else 0 for k in kinds])
+    eps = float(hf["layer_norm_epsilon"])
+    w.add_layer_norm_eps(eps)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_ssm_conv_kernel(int(hf["conv_kernel"]))
+    w.add_ssm_inner_size(int(hf["mamba_num_heads"]) * int(hf["mamba_head_dim"]))
+    w.add_ssm_state_size(int(hf["ssm_state_size"]))
+    w.add_ssm_time_step_rank(int(hf["mamba_num_heads"]))
+    w.add_ssm_group_count(int(hf["n_groups"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(ff)
+    w.add_expert_shared_feed_forward_length(int(hf["moe_shared_expert_intermediate_size"]))
+    w.add_expert_count(int(hf["n_routed_experts"]))
+    w.add_expert_shared_count(int(hf.get("n_shared_experts") or 0))
+    w.add_expert_weights_norm(bool(hf.get("norm_topk_prob")))
+    w.add_expert_weights_scale(float(hf.get("routed_scaling_factor") or 1.0))
+
+
+def _nemotron(suffix: str, fn=None, name_to=None) -> TensorTransform:
+    """transformers' model.layers.N.mixer.* under the gguf table's backbone.layers.N.mixer.*
+    (the converter renames them so), with `fn` applied to the tensor."""
+
+    def export(cfg, name, t):
+        out = name.replace("model.layers.", "backbone.layers.", 1)
+        return [(name_to(out) if name_to else out, fn(cfg, t) if fn else t)]
+
+    return TensorTransform((suffix,), export, lambda cfg, name, parts: iter([(name, parts[0])]))
+
+
+def _nemotron_experts(name: str) -> str:
+    """The stacked experts under the table's merged name (model.layers.N.mlp.experts.*)."""
+    name = name.replace("backbone.layers.", "model.layers.", 1)
+    return name.replace(".mixer.experts.", ".mlp.experts.") + ".weight"
+
+
+def _nemotron_norm(cfg: Any, t: Any) -> Any:
+    from slipstream.checkpoint.gguf_spec import text_hf
+
+    return t.reshape(int(text_hf(cfg)["n_groups"]), -1)
+
+
+NEMOTRON_H = GGUFSpec(
+    "NEMOTRON_H_MOE", "nemotron_h_moe", ("nemotron_h",), check=_nemotron_h_check,
+    write_metadata=_nemotron_h_metadata, extra_tensors=_no_tensors,
+    transforms=(
+        *(_nemotron(x) for x in ("mixer.in_proj.weight", "mixer.conv1d.bias",
+                                 "mixer.out_proj.weight", "mixer.q_proj.weight",
+                                 "mixer.k_proj.weight", "mixer.v_proj.weight",
+                                 "mixer.o_proj.weight", "mixer.gate.weight",
+                                 "mixer.shared_experts.up_proj.weight",
+                                 "mixer.shared_experts.down_proj.weight")),
+        _nemotron("mixer.conv1d.weight", lambda cfg, t: t.squeeze(1)),
+        _nemotron("mixer.dt_bias", None, lambda n: n.replace("dt_bias", "dt_proj.bias")),
+        _nemotron("mixer.A_log", lambda cfg, t: -t.float().exp()[:, None]),
+        _nemotron("mixer.D", lambda cfg, t: t[:, None]),
+        _nemotron("mixer.norm.weight", _nemotron_norm),
+        _nemotron("mixer.experts.up_proj", None, _nemotron_experts),  # (E, F, D)
+        _nemotron("mixer.experts.down_proj", None, _nemotron_experts),  # (E, D, F)
+        _nemotron("mixer.gate.e_score_correction_bias", lambda cfg, t: t.float(),
+                  lambda n: n.removesuffix("_bias") + ".bias"),
+    ),
+)  # fmt: skip
+
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3, LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4, DEEPSEEK_V3,
-         FALCON_H1)  # fmt: skip
+         FALCON_H1, NEMOTRON_H)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
