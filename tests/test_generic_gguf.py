@@ -86,6 +86,9 @@ LAYOUT = {
     # an attention layer 1 (norm, q/k/v/o: 5); its Mamba-2 layers run in the llama.cpp test
     "nemotron_h": ("nemotron_h_moe", 4, 7, False,
                    {**NEMOTRON, "layers_block_type": ["moe", "full_attention"]}),
+    # qwen3_next: a Gated DeltaNet layer 0 (2 norms, qkv, gate, conv, dt bias, A, ba, norm, out;
+    # router, 3 expert stacks, shared expert's 3 + its gate: 18), an attention layer 1 (16)
+    "qwen3_next": ("qwen3next", 4, 18, False, {}),
     "deepseek_v3": ("deepseek2", 4, 13, False, {"head_dim": 4, "n_group": 2, "topk_group": 1}),
 }  # fmt: skip
 
@@ -101,7 +104,7 @@ def _arch_enum(name: str):
 OUTSIDE = {"gemma2": 2, "starcoder2": 4, "stablelm": 4, "phi": 5, "lfm2": 3 + 3, "cohere2": 2,
            "glm4_moe": 3 + 5, "ernie4_5_moe": 3 + 5, "llama4_text": 3 + 4,
            "deepseek_v3": 3 + 5,
-           "nemotron_h": 3 - 2}  # (5 - 7 of layer 1)  # fmt: skip
+           "nemotron_h": 3 - 2, "qwen3_next": 3 - 2}  # (5 - 7 of layer 1)  # fmt: skip
 # (lfm2: token_embd, its norm, output; its attention layer 1 holds 11 tensors, 3 more than
 # the 8 of its convolution layer 0)
 
@@ -231,6 +234,12 @@ def _assert_arch_fields(model_type, arch, fields, hf) -> None:
                           ("expert_gating_func", 2), ("expert_weights_norm", True),
                           ("expert_weights_scale", pytest.approx(2.5))]:  # fmt: skip
             assert fields[f"deepseek2.{key}"] == [want], key
+    if model_type == "qwen3_next":  # Gated DeltaNet sizes; which layers are recurrent
+        for key, want in [("ssm.conv_kernel", [4]), ("ssm.state_size", [8]),
+                          ("ssm.group_count", [2]), ("ssm.time_step_rank", [4]),
+                          ("ssm.inner_size", [32]), ("rope.dimension_count", [4]),
+                          ("attention.recurrent_layers", [True, False])]:  # fmt: skip
+            assert fields[f"qwen3next.{key}"] == want, key
     if model_type == "nemotron_h":  # per layer: the MoE width on MoE layers, else 0
         assert fields["nemotron_h_moe.feed_forward_length"] == [16, 0]
         assert fields["nemotron_h_moe.expert_shared_feed_forward_length"] == [32]
@@ -316,11 +325,6 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
     with pytest.raises(ValueError, match="model_type .mamba. has no llama.cpp arch") as e:
         export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and "mixtral" in str(e.value) and "olmo2" in str(e.value)
-    for model_type in ("qwen3_next",):  # llama.cpp knows it: not written here
-        other = _generic(tmp_path / model_type, model_type)
-        with pytest.raises(ValueError, match=f"{model_type}. .llama.cpp's .*not written") as e:
-            export_gguf(other, tmp_path / "a.gguf", "f32", tokenizer=tokenizer)
-        assert "\n" not in str(e.value)
     llama = _generic(tmp_path, "llama", implementation="transformers")
     with pytest.raises(ValueError, match="'llama' built by transformers' modeling code"):
         export_gguf(llama, tmp_path / "b.gguf", "f32", tokenizer=tokenizer)
@@ -366,6 +370,7 @@ def test_generic_gguf_refusals_name_the_model_type(tmp_path, quiet, tokenizer): 
             {"time_step_limit": [0.0, 10.0]},
             r"falcon_h1 with time_step_limit=\(0.0, 10.0\)",
         ),
+        ("qwen3_next", {"norm_topk_prob": False}, "qwen3_next with norm_topk_prob=false"),
         ("nemotron_h", {"layers_block_type": ["mlp", "moe"]}, "nemotron_h with dense mlp layers"),
         ("llama4_text", {**LLAMA4, "moe_layers": [0, 1]}, r"llama4_text with moe_layers=\[0, 1\]"),
         (
@@ -388,6 +393,7 @@ RUNS = {**{t: LAYOUT[t][4] for t in LAYOUT}, "qwen2_moe": {},
         "nemotron_h": {**NEMOTRON, "layers": 4,  # Mamba-2, attention, MoE, Mamba-2
                        "layers_block_type": ["linear_attention", "full_attention", "moe",
                                              "linear_attention"]},
+        "qwen3_next": {"layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
         "llama4_text": {**LLAMA4, "layers": 4, "no_rope_layers": [1, 1, 1, 0],
                         "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
                         "moe_layers": [1, 3]}}  # fmt: skip

@@ -40,12 +40,7 @@ _GEMMA4 = ("is not written by slipstream yet: the gguf package names the GEMMA4 
            "but no spec for it here is checked against llama.cpp (per-layer inputs, K/V "
            "sharing, per-layer head dims, proportional RoPE); export the merged HF checkpoint "
            "and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
-_QWEN3NEXT = ("(llama.cpp's qwen3next) is not written by slipstream yet: its Gated DeltaNet "
-              "tensors (qkvz/ba regrouped per key head, A as -exp(A_log), the gated attention's "
-              "q/gate split, offset norms + 1) are not mapped here; export the merged HF "
-              "checkpoint and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
 NOT_WRITTEN = {
-    "qwen3_next": _QWEN3NEXT,
     **{kind: _QWEN35.format("qwen35") for kind in ("qwen3_5_text", "qwen3_5")},
     **{kind: _QWEN35.format("qwen35moe") for kind in ("qwen3_5_moe_text", "qwen3_5_moe")},
     **{kind: _GEMMA4 for kind in ("gemma4_text", "gemma4")},

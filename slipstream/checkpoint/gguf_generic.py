@@ -75,6 +75,13 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   (both 0: Mamba-2), the mixers under the table's backbone.* names, gateless ReLU^2 experts
   stacked as HF holds them, sigmoid routing with the score bias, the gated grouped SSM norm;
   refused: dense mlp layers (every FFN layer is MoE there), latent MoE, biases, groups.
+- qwen3_next: QWEN3NEXT (after conversion/qwen.py's Qwen3NextModel and
+  src/models/qwen3next.cpp): in_proj_qkvz, rows grouped per key head, regrouped into attn_qkv
+  (all q, k, v) and attn_gate (z); A = -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel
+  (C, K); every RMSNorm but the DeltaNet's stored as 1 + w (HF adds the 1 at run time); the
+  gated attention's q_proj as HF holds it; which layers are recurrent under
+  attention.recurrent_layers; the shared expert's gate as one vector. llama.cpp renormalises
+  the top-k and runs MoE in every layer: other configs are refused. Export only.
 - lfm2: LFM2: its short convolutions' (D, 1, L) kernels as (D, L), K/V head counts per layer
   (0 on the convolution layers: how llama.cpp tells them apart), the feed-forward width as
   the block computes it (`block_auto_adjust_ff_dim`), `norm_eps`, `conv_L_cache`.
@@ -945,7 +952,84 @@ NEMOTRON_H = GGUFSpec(
     ),
 )  # fmt: skip
 
+
+def _qwen3_next_check(cfg: Any, hf: dict) -> None:
+    if not hf.get("norm_topk_prob", True):  # src/models/qwen3next.cpp: norm_w = true
+        _refuse("qwen3_next", "norm_topk_prob=false", "llama.cpp's qwen3next renormalises top-k")
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+        _refuse("qwen3_next", "dense layers (mlp_only_layers/decoder_sparse_step)",
+                "llama.cpp's qwen3next expects a MoE block in every layer")  # fmt: skip
+    if hf.get("attention_bias"):
+        _refuse("qwen3_next", "attention_bias=true", "llama.cpp's qwen3next has no biases")
+    _activation("qwen3_next", hf, "hidden_act", ("silu",))
+
+
+def _qwen3_next_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    rope_from_hf(w, cfg, hf)  # NeoX partial RoPE: no permutation
+    L = cfg.num_hidden_layers
+    w.add_expert_count(int(hf["num_experts"]))
+    w.add_expert_used_count(int(hf["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+    w.add_expert_shared_feed_forward_length(int(hf["shared_expert_intermediate_size"]))
+    w.add_ssm_conv_kernel(int(hf["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(hf["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(hf["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(hf["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(hf["linear_value_head_dim"]) * int(hf["linear_num_value_heads"]))
+    # which layers are Gated DeltaNet (llama.cpp's {arch}.attention.recurrent_layers; this gguf
+    # package has no add_ method for it), and the interval its default pattern would use
+    recurrent = [t == "linear_attention" for t in hf["layer_types"][:L]]
+    w.add_array(f"{w.arch}.attention.recurrent_layers", recurrent)
+    w.add_full_attention_interval(int(hf.get("full_attention_interval") or 4))
+
+
+def _qkvz_split(cfg: Any, name: str, t: Any) -> list[tuple[str, Any]]:
+    """in_proj_qkvz, rows grouped per key head [q, k, v, z], as llama.cpp's attn_qkv (all q,
+    then all k, then all v rows) and attn_gate (the z rows)."""
+    import torch
+
+    from slipstream.checkpoint.gguf_spec import text_hf
+
+    hf = text_hf(cfg)
+    nk, hk, hv = (int(hf[k]) for k in ("linear_num_key_heads", "linear_key_head_dim",
+                                        "linear_value_head_dim"))  # fmt: skip
+    r = int(hf["linear_num_value_heads"]) // nk
+    q, k, v, z = t.reshape(nk, -1, t.shape[-1]).split([hk, hk, r * hv, r * hv], dim=1)
+    base = name.removesuffix("in_proj_qkvz.weight")
+    flat = [x.reshape(-1, t.shape[-1]) for x in (q, k, v, z)]
+    return [
+        (base + "in_proj_qkv.weight", torch.cat(flat[:3])),
+        (base + "in_proj_z.weight", flat[3]),
+    ]
+
+
+def _qwen3_next_join(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, Any]]:
+    raise NotImplementedError("GGUF import of qwen3_next: export only")
+
+
+QWEN3_NEXT = GGUFSpec(
+    "QWEN3NEXT", "qwen3next", ("qwen3_next",), check=_qwen3_next_check,
+    write_metadata=_qwen3_next_metadata, extra_tensors=_no_tensors,
+    transforms=(
+        TensorTransform(("linear_attn.in_proj_qkvz.weight",), _qkvz_split, _qwen3_next_join),
+        TensorTransform(("linear_attn.dt_bias",),
+                        lambda cfg, name, t: [(name.replace("dt_bias", "dt_proj.bias"), t)],
+                        _qwen3_next_join),
+        TensorTransform(("linear_attn.A_log",),
+                        lambda cfg, name, t: [(name, -t.float().exp())], _qwen3_next_join),
+        TensorTransform(("linear_attn.conv1d.weight",),
+                        lambda cfg, name, t: [(name, t.squeeze(1))], _qwen3_next_join),
+        TensorTransform(("linear_attn.norm.weight",),  # a plain weight: no + 1
+                        lambda cfg, name, t: [(name, t)], _qwen3_next_join),
+        TensorTransform(("norm.weight", "layernorm.weight"),  # Qwen3-Next's RMSNorm: 1 + w
+                        lambda cfg, name, t: [(name, t.float() + 1.0)], _qwen3_next_join),
+        TensorTransform(("mlp.shared_expert_gate.weight",),  # (1, D): one vector ({n_embd})
+                        lambda cfg, name, t: [(name, t.reshape(-1))], _qwen3_next_join),
+    ),
+    pre_tokenizer="qwen2",
+)  # fmt: skip
+
 SPECS = (OLMO2, OLMO3, MIXTRAL, QWEN2MOE, GEMMA2, STARCODER2, STABLELM, PHI2, GRANITE, GRANITEMOE,
          SMOLLM3, LFM2, COHERE2, MINIMAX_M2, GLM4_MOE, ERNIE4_5_MOE, LLAMA4, DEEPSEEK_V3,
-         FALCON_H1, NEMOTRON_H)  # fmt: skip
+         FALCON_H1, NEMOTRON_H, QWEN3_NEXT)  # fmt: skip
 GENERIC_SPECS = {t: spec for spec in SPECS for t in spec.model_types}
