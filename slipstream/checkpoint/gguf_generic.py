@@ -55,6 +55,7 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   intermediate_size_mlp, the chunked/full pattern per layer. llama.cpp fixes chunks of 8192,
   NoPE on every 4th layer with its query temperature (floor 8192, scale 0.1), q/k L2 norms
   unless 128 experts: other configs are refused, as are configs with no chunked layer.
+  llama3 RoPE scaling (the released configs') as the rope_freqs tensor of divisors.
 - deepseek_v3: DEEPSEEK2 (after conversion/deepseek.py's DeepseekV2Model and
   src/models/deepseek2.cpp): MLA as llama.cpp's absorbed form, kv_b_proj split per head into
   k_b (transposed) and v_b, one compressed K/V head (key/value lengths kv_lora_rank + rope,
@@ -112,9 +113,10 @@ def _no_tensors(cfg: Any):
     return iter(())
 
 
-def rope_from_hf(w: Any, cfg: Any, hf: dict) -> None:
+def rope_from_hf(w: Any, cfg: Any, hf: dict, allow: tuple[str, ...] = ()) -> None:
     """RoPE base and rotary dims from config.json (transformers 5's `rope_parameters`, or
-    4.x's `rope_theta`/`rope_scaling`); scaled RoPE is refused (not mapped here yet)."""
+    4.x's `rope_theta`/`rope_scaling`); scaled RoPE is refused but for the types in `allow`
+    (llama3 for Llama 4: its divisors are the rope_freqs tensor, `_llama3_freqs`)."""
     params = hf.get("rope_parameters") or {
         **(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0),
     }  # fmt: skip
@@ -127,7 +129,7 @@ def rope_from_hf(w: Any, cfg: Any, hf: dict) -> None:
             )
         params = kinds[0]
     kind = params.get("rope_type") or params.get("type") or "default"
-    if kind != "default":
+    if kind != "default" and kind not in allow:
         raise ValueError(
             f"GGUF export: {cfg.model_type} with rope_type {kind!r}: only unscaled RoPE is "
             "written for a model built by transformers' modeling code."
@@ -611,8 +613,27 @@ def _llama4_check(cfg: Any, hf: dict) -> None:
     _activation("llama4_text", hf, "hidden_act", ("silu",))
 
 
+def _hf_rope(cfg: Any) -> Any:
+    from dataclasses import replace
+
+    from slipstream.checkpoint.gguf_spec import text_hf
+    from slipstream.models.rope import RopeConfig
+
+    return replace(cfg, rope=RopeConfig.from_hf(text_hf(cfg)))
+
+
+def _llama3_freqs(cfg: Any) -> Iterator[tuple[str, Any]]:
+    """llama3 RoPE's divisors as llama.cpp's rope_freqs (the generic cfg's own RoPE is a
+    placeholder: read config.json's)."""
+    from slipstream.checkpoint.gguf_spec import llama3_rope_tensors
+
+    yield from llama3_rope_tensors(_hf_rope(cfg))
+
+
 def _llama4_metadata(w: Any, cfg: Any, hf: dict) -> None:
-    rope_from_hf(w, cfg, hf)  # interleaved RoPE as HF's complex rotary: no permutation
+    rope_from_hf(w, cfg, hf, allow=("llama3",))  # interleaved as HF's complex rotary: as is
+    if _hf_rope(cfg).rope.rope_type == "llama3":  # the divisors: the rope_freqs tensor
+        w.add_rope_scaling_orig_ctx_len(int(_hf_rope(cfg).rope.original_max_position_embeddings))
     L = cfg.num_hidden_layers
     _overwrite(w, "{arch}.feed_forward_length")
     w.add_feed_forward_length(int(hf["intermediate_size_mlp"]))  # the dense layers' width
@@ -638,7 +659,7 @@ def _llama4_join(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, A
 
 LLAMA4 = GGUFSpec(
     "LLAMA4", "llama4", ("llama4_text",), check=_llama4_check, write_metadata=_llama4_metadata,
-    extra_tensors=_no_tensors,
+    extra_tensors=_llama3_freqs,
     transforms=(
         TensorTransform(("feed_forward.experts.gate_up_proj",), _llama4_split, _llama4_join),
         TensorTransform(  # (E, F, D) -> llama.cpp's (E, D, F)
