@@ -403,7 +403,11 @@ RUNS = {**{t: LAYOUT[t][4] for t in LAYOUT}, "qwen2_moe": {},
         "llama4_llama3_rope": {**LLAMA4, **L4_LAYERS, "rope_parameters": dict(
             rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0,
             high_freq_factor=4.0, original_max_position_embeddings=64)},
-        "llama4_text": {**LLAMA4, **L4_LAYERS}}  # fmt: skip
+        "llama4_text": {**LLAMA4, **L4_LAYERS},
+        # DeepSeek-V3's released configs: YaRN with mscale (K.Q scaled by mscale squared)
+        "deepseek_v3_yarn": {**LAYOUT["deepseek_v3"][4], "rope_parameters": dict(
+            rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)}}  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", list(RUNS))
@@ -412,7 +416,9 @@ def test_llama_cpp_runs_a_generic_gguf_as_we_do(tmp_path, quiet, tokenizer, mode
     pytest.importorskip("llama_cpp")
     from test_gguf_llama_cpp import greedy_llama_cpp, greedy_ours, llama_cpp_logits
 
-    kind = "llama4_text" if model_type.startswith("llama4") else model_type
+    kind = {"llama4_llama3_rope": "llama4_text", "deepseek_v3_yarn": "deepseek_v3"}.get(
+        model_type, model_type
+    )
     model = _generic(tmp_path, kind, **RUNS[model_type])
     torch.manual_seed(4)
     for name, buf in model.named_buffers():  # a router's score bias: 0 would hide a loss

@@ -61,7 +61,8 @@ config.json (the generic model's `cfg.rope` is a placeholder: transformers' rota
   k_b (transposed) and v_b, one compressed K/V head (key/value lengths kv_lora_rank + rope,
   kv_lora_rank; the decompressed sizes under the _mla keys); interleaved RoPE as HF's
   rope_interleave (no permutation); sigmoid routing with the score-correction bias, groups,
-  top-k renormalisation and routed scaling under their keys. Refused: rope_interleave=false,
+  top-k renormalisation and routed scaling under their keys; YaRN (the released configs') as
+  the converter writes it. Refused: rope_interleave=false,
   no q_lora_rank, biases.
 - falcon_h1: FALCON_H1 (after conversion/falcon_h1.py, mamba.py's Mamba2Model and
   src/models/falcon-h1.cpp, mamba-base.cpp): attention and Mamba-2 in parallel on one norm;
@@ -684,10 +685,31 @@ def _deepseek_check(cfg: Any, hf: dict) -> None:
     _activation("deepseek_v3", hf, "hidden_act", ("silu",))
 
 
+def _deepseek_yarn(w: Any, cfg: Any) -> None:
+    """YaRN (DeepSeek-V3's released configs) under llama.cpp's keys, as its converter writes
+    them: the log multiplier as 0.1 * mscale_all_dim (llama.cpp's deepseek2 divides by 0.1 and
+    scales K.Q by its mscale squared, as HF's yarn_apply_mscale)."""
+    import gguf
+
+    rope = _hf_rope(cfg).rope
+    if rope.rope_type != "yarn":
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope.factor))
+    w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
+    w.add_rope_scaling_yarn_beta_fast(float(rope.beta_fast))
+    w.add_rope_scaling_yarn_beta_slow(float(rope.beta_slow))
+    if rope.attention_factor is not None:
+        w.add_rope_scaling_yarn_attn_factor(float(rope.attention_factor))
+    if rope.mscale_all_dim:
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(rope.mscale_all_dim))
+
+
 def _deepseek_metadata(w: Any, cfg: Any, hf: dict) -> None:
     import gguf
 
-    rope_from_hf(w, cfg, hf)  # interleaved pairs as HF's rope_interleave: no permutation
+    rope_from_hf(w, cfg, hf, allow=("yarn",))  # interleaved as HF's rope_interleave: as is
+    _deepseek_yarn(w, cfg)
     r, rope, nope = (
         int(hf["kv_lora_rank"]),
         int(hf["qk_rope_head_dim"]),
