@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+import slipstream.train.extremes as extremes
 from slipstream import distributed as dist
 from slipstream.config import RunConfig
-from slipstream.train import extremes
 from slipstream.train.lock import OutputDirLock
 from slipstream.train.meter import StepMeter
 from slipstream.train.run import Run, finish_run, is_new_best, prepare_run, save

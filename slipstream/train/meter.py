@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+import slipstream.train.extremes as extremes
 from slipstream import distributed as dist
 from slipstream.config import dump_config
-from slipstream.train import extremes
 from slipstream.train.flops import StepFlops
 from slipstream.train.metrics import MetricsLog, peak_flops, peak_memory_gb, perplexity
 
