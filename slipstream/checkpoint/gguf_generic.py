@@ -105,7 +105,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows
+from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows, yarn_metadata
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -689,18 +689,10 @@ def _deepseek_yarn(w: Any, cfg: Any) -> None:
     """YaRN (DeepSeek-V3's released configs) under llama.cpp's keys, as its converter writes
     them: the log multiplier as 0.1 * mscale_all_dim (llama.cpp's deepseek2 divides by 0.1 and
     scales K.Q by its mscale squared, as HF's yarn_apply_mscale)."""
-    import gguf
-
     rope = _hf_rope(cfg).rope
     if rope.rope_type != "yarn":
         return
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(float(rope.factor))
-    w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
-    w.add_rope_scaling_yarn_beta_fast(float(rope.beta_fast))
-    w.add_rope_scaling_yarn_beta_slow(float(rope.beta_slow))
-    if rope.attention_factor is not None:
-        w.add_rope_scaling_yarn_attn_factor(float(rope.attention_factor))
+    yarn_metadata(w, rope)
     if rope.mscale_all_dim:
         w.add_rope_scaling_yarn_log_mul(0.1 * float(rope.mscale_all_dim))
 

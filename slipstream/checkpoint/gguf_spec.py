@@ -58,16 +58,22 @@ def rope_metadata(w: Any, cfg: Any, hf: dict) -> None:
         w.add_rope_scaling_type(_rope_type("LINEAR"))
         w.add_rope_scaling_factor(float(rope.factor))
     elif rope.rope_type == "yarn":
-        w.add_rope_scaling_type(_rope_type("YARN"))
-        w.add_rope_scaling_factor(float(rope.factor))
-        w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
-        w.add_rope_scaling_yarn_beta_fast(float(rope.beta_fast))
-        w.add_rope_scaling_yarn_beta_slow(float(rope.beta_slow))
-        if rope.attention_factor is not None:
-            w.add_rope_scaling_yarn_attn_factor(float(rope.attention_factor))
+        yarn_metadata(w, rope)
     elif rope.rope_type == "llama3":  # the divisors are the rope_freqs tensor; this key picks
         # which of the configs computing them comes back on import (llama.cpp reads it for yarn)
         w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
+
+
+def yarn_metadata(w: Any, rope: Any) -> None:
+    """YaRN's keys as llama.cpp reads them: type, factor, original context, betas and the
+    attention factor where the config gives one."""
+    w.add_rope_scaling_type(_rope_type("YARN"))
+    w.add_rope_scaling_factor(float(rope.factor))
+    w.add_rope_scaling_orig_ctx_len(int(rope.original_max_position_embeddings))
+    w.add_rope_scaling_yarn_beta_fast(float(rope.beta_fast))
+    w.add_rope_scaling_yarn_beta_slow(float(rope.beta_slow))
+    if rope.attention_factor is not None:
+        w.add_rope_scaling_yarn_attn_factor(float(rope.attention_factor))
 
 
 def llama3_rope_tensors(cfg: Any) -> Iterator[tuple[str, Any]]:

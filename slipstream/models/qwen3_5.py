@@ -167,9 +167,10 @@ def build(cfg: Qwen35Config) -> CausalLM:
     return build_hybrid(cfg, lambda c: GatedMLP(c.hidden_size, c.intermediate_size))
 
 
-class Qwen35Weights(WeightMap):
-    """HF names; a multimodal checkpoint holds them under `model.language_model.`. The
-    vision tower and the MTP head are never loaded (passed through at save)."""
+class Qwen35Layout:
+    """A WeightMap mixin: a multimodal checkpoint holds the language model under
+    `model.language_model.`; the vision tower and the MTP head are never loaded (passed
+    through at save). Put before the WeightMap it adapts (dense here, MoE in qwen3_5_moe)."""
 
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__(cfg)
@@ -180,6 +181,10 @@ class Qwen35Weights(WeightMap):
 
     def our_name(self, name: str) -> str | None:
         return None if self.is_passthrough(name) else super().our_name(name)
+
+
+class Qwen35Weights(Qwen35Layout, WeightMap):
+    """HF names under Qwen3.5's multimodal layout and pass-through."""
 
 
 weights = Qwen35Weights

@@ -19,13 +19,7 @@ from torch import nn
 
 from slipstream.models.common import CausalLM, GatedMLP
 from slipstream.models.moe_block import MoEBlock, Router, aux_loss_coef_from_hf, num_experts_from_hf
-from slipstream.models.qwen3_5 import (
-    MULTIMODAL,
-    MULTIMODAL_LAYOUTS,
-    PASSTHROUGH,
-    Qwen35Config,
-    build_hybrid,
-)
+from slipstream.models.qwen3_5 import Qwen35Config, Qwen35Layout, build_hybrid
 from slipstream.models.qwen3_5 import config_from_hf as _config_from_hf
 from slipstream.models.qwen3_moe import Qwen3MoeExperts, Qwen3MoeWeights
 from slipstream.models.spec import FamilySpec
@@ -72,19 +66,9 @@ def build(cfg: Qwen35Config) -> CausalLM:
     return build_hybrid(cfg, Qwen35MoeBlock, aux_loss_coef_from_hf(text_hf(cfg)))
 
 
-class Qwen35MoeWeights(Qwen3MoeWeights):
+class Qwen35MoeWeights(Qwen35Layout, Qwen3MoeWeights):
     """Qwen3-MoE's expert map (transformers' save_pretrained writes one tensor per expert;
     stacked ones load as they are) under Qwen3.5's multimodal layout and pass-through."""
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__(cfg)
-        self.layouts = MULTIMODAL_LAYOUTS if cfg.model_type in MULTIMODAL else ()
-
-    def is_passthrough(self, name: str) -> bool:
-        return name.startswith(PASSTHROUGH)
-
-    def our_name(self, name: str) -> str | None:
-        return None if self.is_passthrough(name) else super().our_name(name)
 
     def num_experts(self) -> int:
         return num_experts_from_hf(text_hf(self.cfg))
