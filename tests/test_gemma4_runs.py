@@ -10,48 +10,25 @@ import json
 
 import pytest
 import torch
-from helpers.runs import chat_rows, losses, run_config
-from helpers.tiny_hf import tiny_config
-from helpers.tokenizers import save_test_tokenizer
-from helpers.torchrun import check, train_job
-
-from slipstream.config import config_from_dict
-from slipstream.train import train
+from helpers.runs import losses, make_tiny_type_run, one_and_two_rank_runs
 
 MOE = {"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2, "use_double_wide_mlp": True}
 
 
 @pytest.fixture(scope="module", params=["gemma4_text", "gemma4_text_moe"])
 def gemma4_run(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp(request.param)
-    model_dir = root / "model"
-    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    torch.manual_seed(0)
     extra = MOE if request.param == "gemma4_text_moe" else {}
-    cfg = tiny_config(request.param, 4, vocab_size=300, vocab_size_per_layer_input=300, **extra)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
-    return model_dir, data
-
-
-def _lora_run(run, out, **train):
-    raw = run_config(run, out, steps=4, lr=2e-2, dist_timeout_s=60, **train)
-    raw["train"]["finetune"] = "lora"
-    raw["lora"] = {"rank": 4, "alpha": 8}
-    return raw
+    return make_tiny_type_run(
+        tmp_path_factory.mktemp(request.param), request.param, layers=4,
+        vocab_size_per_layer_input=300, **extra,
+    )  # fmt: skip
 
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process(gemma4_run, tmp_path):
     from safetensors.torch import load_file
 
-    train(config_from_dict(_lora_run(gemma4_run, tmp_path / "single", grad_accum=4)))
-    for mode in ("ddp", "fsdp"):
-        job = _lora_run(gemma4_run, tmp_path / mode, grad_accum=2, parallel=mode)
-        check(train_job(job, tmp_path))
+    one_and_two_rank_runs(gemma4_run, tmp_path)
     single = losses(tmp_path / "single")
     want = load_file(tmp_path / "single" / "adapter_model.safetensors")
     assert any(".layers.0.self_attn.k_proj." in k for k in want)  # reached through layer 2

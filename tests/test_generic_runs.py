@@ -10,11 +10,17 @@ import shutil
 
 import pytest
 import torch
-from helpers.runs import chat_rows, lora_with_dropout, losses, run_config, train_until_signal
+from helpers.runs import (
+    lora_with_dropout,
+    losses,
+    make_tiny_type_run,
+    one_and_two_rank_runs,
+    run_config,
+    train_until_signal,
+)
 from helpers.tiny_hf import quiet as quiet  # noqa: F401 (module fixture)
 from helpers.tiny_hf import save_tiny
-from helpers.tokenizers import save_test_tokenizer
-from helpers.torchrun import check, free_port, train_job
+from helpers.torchrun import free_port
 
 from slipstream import compile as regional
 from slipstream.checkpoint.hf import load_model
@@ -28,13 +34,7 @@ from slipstream.train import train
 @pytest.fixture(scope="module")
 def olmo2_run(tmp_path_factory, quiet):
     """(model folder, train.jsonl): a tiny OLMo 2 (no native family) with a chat tokenizer."""
-    root = tmp_path_factory.mktemp("olmo2")
-    model_dir = root / "model"
-    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    save_tiny(model_dir, "olmo2", vocab_size=300)
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
-    return model_dir, data
+    return make_tiny_type_run(tmp_path_factory.mktemp("olmo2"), "olmo2")
 
 
 def _lora_step(model, ids, seq):
@@ -81,23 +81,13 @@ def test_fsdp2_shards_each_transformers_decoder_layer(tmp_path, quiet, monkeypat
         torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7)
 
 
-def _lora_run(olmo2_run, out, **train):
-    raw = run_config(olmo2_run, out, steps=6, lr=2e-2, save_every=3, dist_timeout_s=60, **train)
-    raw["train"]["finetune"] = "lora"
-    raw["lora"] = {"rank": 4, "alpha": 8}
-    return raw
-
-
 @pytest.mark.slow
 def test_two_ranks_match_one_process_on_a_generic_model(olmo2_run, tmp_path):
     """DDP and FSDP2 (2 gloo ranks, grad_accum 2) log the losses and gradient norms and save
     the adapter of one process with grad_accum 4, on a model no native family builds."""
     from safetensors.torch import load_file
 
-    train(config_from_dict(_lora_run(olmo2_run, tmp_path / "single", grad_accum=4)))
-    for mode in ("ddp", "fsdp"):
-        raw = _lora_run(olmo2_run, tmp_path / mode, grad_accum=2, parallel=mode)
-        check(train_job(raw, tmp_path))
+    one_and_two_rank_runs(olmo2_run, tmp_path, steps=6, save_every=3)
     single = losses(tmp_path / "single")
     norms = {}
     for name in ("single", "ddp", "fsdp"):

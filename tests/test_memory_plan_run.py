@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from helpers.runs import make_tiny_run, run_config
+from helpers.runs import make_tiny_run, make_tiny_type_run, run_config
 
 from slipstream.cli import main
 from slipstream.config import RunConfig
@@ -90,15 +90,10 @@ def test_plan_command_prints_components(tiny_run, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def generic_run(tmp_path_factory, tiny_run):
-    """tiny_run's data with an OLMo 2 model (no native family: the generic path)."""
-    from helpers.tiny_hf import save_tiny
-    from helpers.tokenizers import save_test_tokenizer
-
-    model_dir = tmp_path_factory.mktemp("plan_generic") / "model"
-    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
-    save_tiny(model_dir, "olmo2", vocab_size=300, hidden_size=32, intermediate_size=64)
-    return model_dir, tiny_run[1]
+def generic_run(tmp_path_factory):
+    """tiny_run's counterpart with an OLMo 2 model (no native family: the generic path)."""
+    root = tmp_path_factory.mktemp("plan_generic")
+    return make_tiny_type_run(root, "olmo2", hidden_size=32, intermediate_size=64)
 
 
 def test_plan_and_auto_tiling_on_a_generic_model(generic_run, tmp_path, monkeypatch, capsys):

@@ -41,9 +41,25 @@ def make_tiny_run(root: Path) -> tuple[Path, Path]:
         num_attention_heads=4,
         initializer_range=0.2,  # at 0.02 the logits are ~uniform and LoRA cannot move them
     ).save_pretrained(model_dir)
+    return model_dir, _chat_data(root)
+
+
+def make_tiny_type_run(root: Path, model_type: str, **overrides) -> tuple[Path, Path]:
+    """make_tiny_run for any type transformers builds: the chat tokenizer, transformers'
+    random model of `tiny_config(model_type, vocab_size=300, **overrides)` (seed 0; `layers`
+    among the overrides), the 48 chat rows."""
+    from helpers.tiny_hf import save_tiny
+
+    model_dir = root / "model"
+    save_test_tokenizer(model_dir, "chatml", vocab_size=300)
+    save_tiny(model_dir, model_type, **{"vocab_size": 300, **overrides})
+    return model_dir, _chat_data(root)
+
+
+def _chat_data(root: Path) -> Path:
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(48)))
-    return model_dir, data
+    return data
 
 
 def run_config(tiny_run, out, **train):
@@ -57,6 +73,27 @@ def run_config(tiny_run, out, **train):
         },
         "output_dir": str(out),
     }  # fmt: skip
+
+
+def lora_run_config(run, out, **train):
+    """run_config of a LoRA r4 alpha 8 run: 4 steps at lr 2e-2 unless `train` says otherwise."""
+    raw = run_config(run, out, **{"steps": 4, "lr": 2e-2, "dist_timeout_s": 60, **train})
+    raw["train"]["finetune"] = "lora"
+    raw["lora"] = {"rank": 4, "alpha": 8}
+    return raw
+
+
+def one_and_two_rank_runs(run, tmp: Path, **train) -> None:
+    """`lora_run_config` runs into tmp/single (one process, grad_accum 4) and tmp/ddp,
+    tmp/fsdp (2 gloo ranks each, grad_accum 2): the same global batches."""
+    from helpers.torchrun import check, train_job
+    from slipstream.config import config_from_dict
+    from slipstream.train import train as train_run
+
+    train_run(config_from_dict(lora_run_config(run, tmp / "single", grad_accum=4, **train)))
+    for mode in ("ddp", "fsdp"):
+        raw = lora_run_config(run, tmp / mode, grad_accum=2, parallel=mode, **train)
+        check(train_job(raw, tmp))
 
 
 def losses(out) -> dict[int, float]:
