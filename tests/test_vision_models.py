@@ -29,10 +29,15 @@ from peft import PeftModel
 
 import slipstream
 from slipstream.data import collate, tokenize_rows
-from slipstream.data.vision import ImageExample, ImageProcessing, image_inputs
+from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, image_inputs
 
-KINDS = ["qwen3_vl", "gemma3", "idefics3", "smolvlm"]
-NO_PROCESSOR = ("qwen3_vl", "smolvlm")  # their processor classes need torchvision here
+KINDS = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3", "smolvlm"]
+QWEN35 = ("qwen3_5", "qwen3_5_moe")
+NO_PROCESSOR = ("qwen3_vl", *QWEN35, "smolvlm")
+ON_GENERIC = (
+    "gemma3",
+    *QWEN35,
+)  # native families of their text model only  # their processor classes need torchvision here
 SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
 
 
@@ -57,8 +62,9 @@ def vlm(request, tmp_path_factory):
 
 
 def _load(kind, folder):
-    # Gemma 3's native family is text only: its image side takes transformers' code.
-    how = {"implementation": "transformers"} if kind == "gemma3" else {}
+    # Gemma 3's and Qwen3.5's native families are text only: their image side takes
+    # transformers' code.
+    how = {"implementation": "transformers"} if kind in ON_GENERIC else {}
     return slipstream.load_model(folder, **how)
 
 
@@ -73,7 +79,7 @@ def _hf_inputs(kind, ex, side):
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
     types = (ids == side.image_token_id).int()
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", *QWEN35):
         return {"input_ids": ids, "mm_token_type_ids": types, **ex.images}
     if kind == "gemma3":  # token_type_ids: transformers' bidirectional mask over each image
         return {"input_ids": ids, "token_type_ids": types, **ex.images}
@@ -120,7 +126,7 @@ def test_image_tokens_and_inputs(vlm):
         flat = [i for e in expected for i in e]
         start = got.index(flat[0])
         assert got[start : start + len(flat)] == flat and rows
-    else:  # Qwen3-VL: grids of different sizes, 3-D positions equal transformers'
+    else:  # Qwen3-VL, Qwen3.5: grids of different sizes, 3-D positions equal transformers'
         assert len(set(counts)) > 1 and side.processor is None
         hf = _hf(folder)
         for ex in image_rows:
@@ -166,6 +172,9 @@ def test_loss_lora_grads_and_packing_equal_transformers(vlm, tmp_path):
             ours._image_features = lambda im: (real(im)[0], [])
             plain = ours(c.input_ids, c.seq, images=image_inputs(c.fields))
             del ours._image_features
+        elif kind in QWEN35:  # 1-D positions give other logits
+            flat = {k: v for k, v in image_inputs(c.fields).items() if k != MROPE_FIELD}
+            plain = ours(c.input_ids, c.seq, images=flat)
         elif kind == "gemma3":  # causal image rows (no spans) give other logits
             c.seq.image_spans = ()
             plain = ours(c.input_ids, c.seq, images=image_inputs(c.fields))
@@ -230,8 +239,8 @@ def _prompt_inputs(kind, folder, tok, side, messages):
     return inputs
 
 
-@pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
-def test_gemma3_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
+@pytest.mark.parametrize("vlm", ["gemma3", "qwen3_5"], indirect=True)
+def test_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
     from slipstream.config import load_config
     from slipstream.train.setup import image_implementation
 

@@ -39,7 +39,8 @@ log = logging.getLogger("slipstream")
 
 # What each model's forward takes of the image processor's output (besides pixel_values).
 MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # 3-D rotary positions: data/mrope.py
+# 3-D rotary positions: data/mrope.py (Qwen3.5's get_rope_index gives still images the same).
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 # Image tokens that attend to their whole image (transformers' token_type_ids mask).
 BIDIRECTIONAL_TYPES = ("gemma3",)
 # Image processors that split an image into crops and say the grid only when asked.
@@ -127,6 +128,8 @@ RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], 
     "qwen2_vl": ("<|image_pad|>", _qwen_vl),
     "qwen2_5_vl": ("<|image_pad|>", _qwen_vl),
     "qwen3_vl": ("<|image_pad|>", _qwen_vl),
+    "qwen3_5": ("<|image_pad|>", _qwen_vl),  # Qwen3VLProcessor's rule
+    "qwen3_5_moe": ("<|image_pad|>", _qwen_vl),
     "mistral3": ("[IMG]", _pixtral),
     "smolvlm": ("<image>", _smolvlm),  # its processor class builds a video processor
 }

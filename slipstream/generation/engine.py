@@ -36,7 +36,7 @@ import torch
 
 import slipstream.generation.hf_engine as hf_engine
 from slipstream.generation.cache import Decode, KVCache, Prefill, decode_seq
-from slipstream.generation.images import HOST_KEYS, OFFSETS_KEY, SPANS_KEY
+from slipstream.generation.images import HOST_KEYS, OFFSETS_KEY, PROMPTS_KEY, SPANS_KEY
 from slipstream.generation.packed_linear import packed_linears
 from slipstream.generation.sampling import Sampling, sample
 from slipstream.ops.packing import SeqInfo
@@ -90,12 +90,11 @@ def run(
         rows += [Row(i, len(p), min(max_new_tokens, room)) for _ in range(n)]
     hf_engine.say_engine(model)
     if hf_engine.transformers_reason(model):  # layers or attention our KV cache cannot run
-        if images is not None:
-            raise ValueError("generation with images on a model with stateful layers: not yet")
         return hf_engine.run(
             model, prompts, rows, check=_check, sampling=sampling, stop_ids=stop_ids,
             find_stop=find_stop, generator=generator, check_every=check_every,
             on_check=on_check, logprobs=logprobs,
+            images=(images or {}).get(PROMPTS_KEY),
         )  # fmt: skip
     was_training = model.training
     model.eval()

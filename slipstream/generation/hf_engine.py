@@ -109,9 +109,11 @@ def _blank_generation_config():
 
 
 def run(model, prompts, rows, *, check, sampling, stop_ids, find_stop, generator, check_every,
-        on_check, logprobs):  # fmt: skip
+        on_check, logprobs, images=None):  # fmt: skip
     """`engine.run` on transformers' `generate` (see the module docstring): `rows` are the
-    engine's, `samples_per_prompt` a prompt; `check` is `engine._check`."""
+    engine's, `samples_per_prompt` a prompt; `check` is `engine._check`; `images`: {prompt
+    index: (its image inputs, image token id)} (generation/images.py PROMPTS_KEY), given to
+    `generate` with the token types an image-text model's 3-D positions read."""
     n = len(rows) // len(prompts)
     hf = model.hf
     device = model.input_embeddings().weight.device
@@ -125,7 +127,9 @@ def run(model, prompts, rows, *, check, sampling, stop_ids, find_stop, generator
                     ids_BT = torch.tensor([list(p)] * n, device=device)
                     stops = _RowStops(mine, rows, check, set(stop_ids), find_stop, check_every,
                                       on_check, logprobs)  # fmt: skip
-                    _generate(hf, ids_BT, mine[0].limit, sampling, stops, _seed(generator))
+                    extra = _image_inputs((images or {}).get(i), p, n, device)
+                    _generate(hf, ids_BT, mine[0].limit, sampling, stops, _seed(generator),
+                              extra)  # fmt: skip
     finally:
         model.train(was_training)
     for r in rows:
@@ -135,13 +139,25 @@ def run(model, prompts, rows, *, check, sampling, stop_ids, find_stop, generator
     return rows
 
 
+def _image_inputs(prompt_images, prompt, n: int, device) -> dict:
+    """`generate`'s image inputs of one prompt (one sample of it): pixels, grids, and the
+    token types (1 at image rows, from the host ids) transformers' mRoPE index reads."""
+    if prompt_images is None:
+        return {}
+    inputs, image_token_id = prompt_images
+    if n > 1:
+        raise ValueError("num_return_sequences > 1 with images on this model: not supported")
+    types = torch.tensor([[int(t == image_token_id) for t in prompt]], device=device)
+    return {"mm_token_type_ids": types, **{k: v.to(device) for k, v in inputs.items()}}
+
+
 def _seed(generator: torch.Generator | None) -> int | None:
     if generator is None:
         return None
     return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
-def _generate(hf, ids_BT, limit, sampling, stops, seed) -> None:
+def _generate(hf, ids_BT, limit, sampling, stops, seed, extra=None) -> None:
     from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     stop_ids = stops.stop_ids
@@ -158,7 +174,7 @@ def _generate(hf, ids_BT, limit, sampling, stops, seed) -> None:
         hf.generate(
             ids_BT, attention_mask=torch.ones_like(ids_BT), generation_config=config,
             logits_processor=LogitsProcessorList([stops.last]),
-            stopping_criteria=StoppingCriteriaList([stops]),
+            stopping_criteria=StoppingCriteriaList([stops]), **(extra or {}),
         )  # fmt: skip
 
 

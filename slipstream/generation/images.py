@@ -11,7 +11,10 @@ from typing import Any
 SPANS_KEY = "image_spans"  # the prefill's SeqInfo.image_spans, beside the image tensors
 # Qwen-VL: per prompt, where decoding's positions continue past its prompt length (host ints).
 OFFSETS_KEY = "position_offsets"
-HOST_KEYS = (SPANS_KEY, OFFSETS_KEY)
+# Per prompt with images: its own model inputs and token types (transformers' `generate`,
+# for models whose layers slipstream's KV cache cannot hold: generation/hf_engine.py).
+PROMPTS_KEY = "prompt_images"
+HOST_KEYS = (SPANS_KEY, OFFSETS_KEY, PROMPTS_KEY)
 
 
 def image_prompts(model: Any, prompts: Sequence[Any], tokenizer: Any) -> dict[int, Any]:
@@ -60,6 +63,7 @@ def packed_prompt_images(examples: dict, lengths: Sequence[int]) -> dict | None:
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     placed = [(starts[i], ex) for i, ex in sorted(examples.items())]
     out = packed_images(placed)
+    out[PROMPTS_KEY] = {i: (ex.images, ex.image_token_id) for i, ex in examples.items()}
     if spans := packed_image_spans(placed):  # host ints, for the prefill's SeqInfo
         out[SPANS_KEY] = spans
     if any(ex.positions_3d for ex in examples.values()):  # Qwen-VL: 3-D prompt positions

@@ -41,7 +41,7 @@ GENERIC = "generic"  # the family module for transformers' own modeling code
 GENERIC_VISION = "generic_vision"  # and for its image-text models (AutoModelForImageTextToText)
 # Native text families of image-text checkpoints whose image side runs on the generic image-text
 # path: `implementation: transformers` (and `auto` with image rows: train/setup.py) takes it.
-IMAGE_TEXT_ON_GENERIC = ("gemma3",)
+IMAGE_TEXT_ON_GENERIC = ("gemma3", "qwen3_5", "qwen3_5_moe")
 
 
 def choose_family(

@@ -140,6 +140,36 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
             vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         )
+    elif kind in ("qwen3_5", "qwen3_5_moe"):  # DeltaNet + gated attention, interleaved mRoPE
+        tok = _tokenizer(out, QWEN_TOKENS, "".join(QWEN_TOKENS))
+        processor = transformers.Qwen2VLImageProcessor(
+            min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2
+        )
+        # head_dim 16, half of it rotary: 4 frequencies, t/h/w each own at least one.
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True, "partial_rotary_factor": 0.5}  # fmt: skip
+        text = dict(
+            TEXT, vocab_size=len(tok), rope_parameters=rope, head_dim=16,
+            layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        )  # fmt: skip
+        if kind == "qwen3_5_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)  # fmt: skip
+        vision = dict(
+            depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+            patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            num_position_embeddings=16,
+        )  # fmt: skip
+        config_class = (
+            transformers.Qwen3_5Config if kind == "qwen3_5" else transformers.Qwen3_5MoeConfig
+        )
+        config = config_class(
+            text_config=text, vision_config=vision,
+            image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+            vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+            vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        )  # fmt: skip
     elif kind == "gemma3":  # a SigLIP tower pooled to 4 tokens an image, seen bidirectionally
         tok = _tokenizer(out, [], GEMMA3_TOKENS["boi_token"], GEMMA3_TOKENS)
         tok.save_pretrained(out)  # the processor reads the named tokens from the saved files
@@ -215,11 +245,15 @@ def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
 
 
 def assert_lora_grads_match(ours, peft_model) -> None:
-    """Every trained tensor's gradient equals peft's (1e-4 of its largest entry: float32)."""
-    theirs = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
-    for name, p in ours.named_parameters():
-        if p.requires_grad:
-            key = name.replace(".lora_A.", ".lora_A.default.")
-            key = key.replace(".lora_B.", ".lora_B.default.")
-            scale = theirs[key].grad.abs().max()
-            torch.testing.assert_close(p.grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
+    """Every trained tensor's gradient equals peft's (1e-4 of its largest entry: float32);
+    stacked expert factors compared in peft's layout (helpers.peft_grads)."""
+    from helpers.peft_grads import lora_grads
+
+    theirs = {n.replace(".default", ""): p for n, p in peft_model.named_parameters()}
+    grads = lora_grads(ours)
+    trained = [n for n, p in ours.named_parameters() if p.requires_grad and "lora_" not in n]
+    grads.update({f"base_model.model.{n}": ours.get_parameter(n).grad for n in trained})
+    assert grads and set(grads) == {n for n, p in theirs.items() if p.requires_grad}
+    for key, grad in grads.items():
+        scale = theirs[key].grad.abs().max()
+        torch.testing.assert_close(grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
