@@ -20,7 +20,7 @@ def _qkv(T, H=4, G=2, Dh=8, seed=0):
     return mk(H), mk(G), mk(G)
 
 
-def _reference(q, k, v, lengths, window=None, sinks=None):
+def _reference(q, k, v, lengths, window=None, sinks=None, causal=True):
     """Each sequence alone, attention written out with an explicit causal(/window) mask."""
     outs, start = [], 0
     rep = q.shape[1] // k.shape[1]
@@ -29,7 +29,7 @@ def _reference(q, k, v, lengths, window=None, sinks=None):
         ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
         scores = torch.einsum("thd,shd->hts", qs, ks) / q.shape[-1] ** 0.5
         i = torch.arange(n)
-        allowed = i[:, None] >= i[None, :]
+        allowed = i[:, None] >= i[None, :] if causal else torch.ones(n, n, dtype=torch.bool)
         if window is not None:
             allowed &= i[:, None] - i[None, :] < window
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -72,6 +72,29 @@ def test_attend_with_sinks_matches_reference(window, per_sequence, monkeypatch):
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, sinks))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_non_causal_attend_matches_per_sequence_reference(per_sequence, monkeypatch):
+    """causal=False (vision towers): every query sees its whole sequence, on both CPU paths,
+    forward and backward, without a host sync; refused with a KV cache."""
+    if per_sequence:
+        monkeypatch.setattr(attention, "DENSE_MASK_MAX_TOKENS", 0)
+    q, k, v = _qkv(sum(LENGTHS))
+    seq = SeqInfo.from_lengths(LENGTHS)
+    with count_syncs() as c:
+        out = attend(q, k, v, seq, causal=False)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert c.total == 0, str(c)
+    ref = _reference(q, k, v, LENGTHS, causal=False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    assert (out - attend(q, k, v, seq)).abs().max() > 1e-3  # not the causal result
+    seq.kv = object()
+    with pytest.raises(ValueError, match="non-causal"):
+        attend(q, k, v, seq, causal=False)
 
 
 def test_per_sequence_picked_from_host_lengths(monkeypatch):
@@ -314,6 +337,9 @@ def test_varlen_arguments_follow_the_installed_signature(params, window, monkeyp
     ((cu, max_q, kwargs),) = calls
     assert cu is seq.cu_seqlens and max_q == max(LENGTHS)
     assert kwargs["window_size"] == ((window - 1, 0) if window else (-1, 0))
+    if window is None:  # non-causal (vision towers): no limit on either side
+        attention._varlen(q, k, v, seq, None, None, causal=False)
+        assert calls[-1][2]["window_size"] == (-1, -1)
     assert kwargs.get("enable_gqa") == (True if params == "2.12+" else None)
     monkeypatch.setattr(attention, "_varlen_params", lambda: frozenset({"is_causal"}))  # 2.10
     assert not attention._varlen_supports()

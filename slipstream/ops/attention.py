@@ -14,6 +14,10 @@ One entry point, three back ends chosen by device and installed torch:
 Every derived structure (block mask, dense mask) is built once per `SeqInfo` and cached on
 it, so a 28-layer model builds it once per forward, not 28 times.
 
+`causal=False` (vision towers: each image, or window of one, sees all of itself): the same
+back ends without the causal triangle; varlen with an unlimited window on both sides, and on
+CUDA without varlen the per-sequence SDPA calls (FlexAttention's tile tables are causal).
+
 Sinks (GPT-OSS): one learned logit per head that joins every softmax but attends to
 nothing. With the log-sum-exp of the real scores, out_with_sink = out * sigmoid(lse - sink).
 
@@ -57,8 +61,10 @@ def attend(
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence -> (T, H, Dh).
+    """Causal attention within each packed sequence -> (T, H, Dh); `causal=False`: every
+    query sees its whole sequence (a vision tower's images; training batches only).
 
     window: each query sees at most the last `window` keys of its own sequence (itself
     included). sinks: (H,) per-head sink logits. softcap: scores become
@@ -68,6 +74,8 @@ def attend(
     parallelism `seq.shard` (ops/ulysses.py) attends over the whole batch by all-to-alls.
     `seq.image_spans` (Gemma 3's images): those rows see their whole span (`with_image_spans`).
     """
+    if not causal and (seq.kv is not None or seq.shard is not None):
+        raise ValueError("non-causal attention with a KV cache or a shard: not supported")
     if seq.image_spans and (sinks is not None or softcap is not None or seq.shard is not None):
         raise ValueError(
             "bidirectional image spans with attention sinks, softcapping or sequence "
@@ -82,7 +90,7 @@ def attend(
             q_THD, k_TGD, v_TGD, window=window, sinks=sinks, scale=scale, softcap=softcap
         )
     else:
-        out = attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
+        out = attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap, causal)
     if seq.image_spans:  # a prefill's or a training batch's own keys: the spans index them
         out = with_image_spans(out, q_THD, k_TGD, v_TGD, seq, window, scale)
     return out
@@ -115,31 +123,36 @@ def with_image_spans(out_THD, q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sc
 
 
 def attend_packed(
-    q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, scale=None, softcap=None
-):
+    q_THD, k_TGD, v_TGD, seq: SeqInfo, window=None, sinks=None, scale=None, softcap=None,
+    causal=True,
+):  # fmt: skip
     """`attend` without a KV cache: the packed sequences hold all their keys."""
+    assert causal or window is None, "a window is causal here"
+    args = (q_THD, k_TGD, v_TGD, seq, window)
     if softcap is not None:  # the written-out softmax, one sequence at a time (any device)
-        return _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap)
+        return _eager_per_sequence(*args, sinks, scale, softcap, causal)
     if q_THD.is_cuda:
         if sinks is None and _varlen_fits(q_THD) and _varlen_supports():
-            return _varlen(q_THD, k_TGD, v_TGD, seq, window, scale)
-        if q_THD.shape[-1] >= FLEX_MIN_HEAD_DIM:
-            return _flex(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
-        # Tiny test-sized heads: the SDPA/eager paths below run on CUDA too.
-    if per_sequence_wins(seq.lengths):
+            return _varlen(*args, scale, causal)
+        if causal and q_THD.shape[-1] >= FLEX_MIN_HEAD_DIM:
+            return _flex(*args, sinks, scale)
+        # Tiny test-sized heads, non-causal towers: the SDPA/eager paths below run on CUDA too.
+    if per_sequence_wins(seq.lengths) or (q_THD.is_cuda and not causal):
         if sinks is not None:
-            return _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks, scale)
-        return _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale)
+            return _eager_per_sequence(*args, sinks, scale, None, causal)
+        return _sdpa_per_sequence(*args, scale, causal)
+    mask = dense_causal_mask(seq, window, causal)
     if sinks is not None:
-        return _eager(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), sinks, scale)
-    return _in_float32(sdpa_masked)(q_THD, k_TGD, v_TGD, dense_causal_mask(seq, window), scale)
+        return _eager(q_THD, k_TGD, v_TGD, mask, sinks, scale)
+    return _in_float32(sdpa_masked)(q_THD, k_TGD, v_TGD, mask, scale)
 
 
 # ----------------------------------------------------------------------------- CPU paths
 
 
-def dense_causal_mask(seq: SeqInfo, window: int | None = None) -> torch.Tensor:
-    """(T, T) bool: query t may see key s. Built once per (seq, window) and cached.
+def dense_causal_mask(seq: SeqInfo, window: int | None = None, causal: bool = True) -> torch.Tensor:
+    """(T, T) bool: query t may see key s. Built once per (seq, window, causal) and cached
+    (`causal=False`: the block diagonal of whole sequences).
 
     Built from the host lengths as a block diagonal of causal triangles: at T=1024 that is
     ~0.3 ms against ~1.9 ms for comparing (T, T) grids of sequence ids and positions.
@@ -148,13 +161,14 @@ def dense_causal_mask(seq: SeqInfo, window: int | None = None) -> torch.Tensor:
     def build() -> torch.Tensor:
         blocks = []
         for n in seq.lengths:
-            block = torch.ones(n, n, dtype=torch.bool).tril()
+            block = torch.ones(n, n, dtype=torch.bool)
+            block = block.tril() if causal else block
             if window is not None:
                 block = block.triu(-(window - 1))
             blocks.append(block)
         return torch.block_diag(*blocks).to(seq.device, non_blocking=True)
 
-    return seq.cached(("dense_mask", window), build)
+    return seq.cached(("dense_mask", window) if causal else ("dense_mask", "full"), build)
 
 
 def sdpa_masked(q_THD, k_TGD, v_TGD, mask_TT: torch.Tensor, scale: float | None = None):
@@ -216,15 +230,16 @@ def _window_mask(n: int, window: int, device) -> torch.Tensor | None:
 
 
 @_in_float32
-def _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale):
+def _sdpa_per_sequence(q_THD, k_TGD, v_TGD, seq, window, scale, causal=True):
     gqa = k_TGD.shape[1] != q_THD.shape[1]
     outs = []
     parts = (_split_heads_first(x, seq.lengths) for x in (q_THD, k_TGD, v_TGD))
     for n, q, k, v in zip(seq.lengths, *parts, strict=True):  # host ints: no sync
         mask = None if window is None else _window_mask(n, window, q_THD.device)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-        )
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=gqa,
+        )  # fmt: skip
         outs.append(o[0])
     return torch.cat(outs, dim=1).transpose(0, 1)
 
@@ -249,11 +264,14 @@ def _eager(q_THD, k_TGD, v_TGD, mask_TT, sinks_H, scale, softcap=None):
     return torch.einsum("hts,shd->thd", probs.to(v_THD.dtype), v_THD)
 
 
-def _eager_per_sequence(q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale, softcap=None):
+def _eager_per_sequence(
+    q_THD, k_TGD, v_TGD, seq, window, sinks_H, scale, softcap=None, causal=True
+):
     outs = []
     parts = (x.split(list(seq.lengths)) for x in (q_THD, k_TGD, v_TGD))
     for n, q, k, v in zip(seq.lengths, *parts, strict=True):
-        mask = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).tril()
+        mask = torch.ones(n, n, dtype=torch.bool, device=q_THD.device)
+        mask = mask.tril() if causal else mask
         if window is not None:
             mask = mask.triu(-(window - 1))
         outs.append(_eager(q, k, v, mask, sinks_H, scale, softcap))
@@ -285,11 +303,13 @@ def _varlen_fits(q_THD: torch.Tensor) -> bool:
     return q_THD.dtype in (torch.float16, torch.bfloat16) and Dh % 8 == 0 and Dh <= 256
 
 
-def _varlen(q_THD, k_TGD, v_TGD, seq, window, scale):
+def _varlen(q_THD, k_TGD, v_TGD, seq, window, scale, causal=True):
     from torch.nn.attention.varlen import varlen_attn
 
-    # (left, right): causal with `window - 1` keys before the query, or unlimited.
-    kwargs = {"window_size": (window - 1, 0) if window is not None else (-1, 0)}
+    # (left, right): causal with `window - 1` keys before the query, or unlimited; (-1, -1)
+    # non-causal: the whole sequence.
+    right = 0 if causal else -1
+    kwargs = {"window_size": (window - 1, right) if window is not None else (-1, right)}
     if "enable_gqa" in _varlen_params():
         kwargs["enable_gqa"] = k_TGD.shape[1] != q_THD.shape[1]
     return varlen_attn(

@@ -1,0 +1,137 @@
+"""slipstream's Qwen-VL vision tower (models/qwen_vit.py) and its host-built metadata
+(data/qwen_vit_meta.py) against transformers' own (tiny random towers, float32): the
+metadata equals what transformers computes from `grid_thw` (cu_seqlens, window order,
+rotary positions, interpolation taps) on grids that are and are not multiples of the window;
+the features, deepstack features and every gradient (tower parameters, pixels) equal
+transformers' tower on several images of different grids in one call; parameter names and
+shapes are `model.visual`'s; the forward and backward make no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import vision_utils
+
+import slipstream
+from slipstream.data import qwen_vit_meta as meta
+from slipstream.models.qwen_vit import QwenVisionTower
+
+GRIDS = [(1, 6, 10), (1, 4, 4), (1, 10, 6), (1, 2, 2)]  # (t, h, w) patches; window: 2 units
+VISION = dict(depth=3, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+              spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+
+
+def _hf_tower(kind: str, seed: int = 0):
+    """transformers' tower of `kind`, weights drawn wide enough that every part matters."""
+    if kind == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+        cfg = transformers.Qwen2_5_VLVisionConfig(
+            **VISION, patch_size=14, window_size=56, fullatt_block_indexes=[1]
+        )
+        cls = m.Qwen2_5_VisionTransformerPretrainedModel
+    else:
+        from transformers.models.qwen3_vl import modeling_qwen3_vl as m
+
+        cfg = transformers.Qwen3VLVisionConfig(
+            **VISION, patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0, 2]
+        )
+        cls = m.Qwen3VLVisionModel
+    torch.manual_seed(seed)
+    tower = cls._from_config(cfg).float()
+    for p in tower.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return tower.eval()
+
+
+def _pixels(cfg, grids, seed=1):
+    n = sum(t * h * w for t, h, w in grids)
+    g = torch.Generator().manual_seed(seed)
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    return torch.randn(n, width, generator=g)
+
+
+@pytest.mark.parametrize(
+    "grids", [GRIDS, [(1, 8, 8)], [(2, 4, 6), (1, 14, 2)], [(1, 2, 16), (1, 12, 4)]]
+)
+def test_metadata_equals_transformers(grids):
+    g = torch.tensor(grids)
+    positions = vision_utils.get_vision_position_ids(g, 2)
+    window = meta.vit_metadata(grids, meta.VitGeometry("window", 14, 2, window=2))
+    index, cu_windows = vision_utils.get_vision_window_index(g, 2, window_size=56, patch_size=14)
+    assert torch.equal(window[meta.WINDOW_INDEX], index)
+    assert torch.equal(window[meta.WINDOW_SEQ].cu_seqlens, cu_windows)
+    assert torch.equal(window[meta.WINDOW_REVERSE], torch.argsort(index))
+    assert torch.equal(window[meta.SEQ].cu_seqlens, vision_utils.get_vision_cu_seqlens(g))
+    in_windows = positions.view(-1, 4, 2)[index].reshape(-1, 2)  # transformers permutes cos/sin
+    assert torch.equal(window[meta.ROTARY_POSITIONS], in_windows)
+    learned = meta.vit_metadata(grids, meta.VitGeometry("learned", 16, 2, side=4))
+    taps, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        g, 4, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    assert torch.equal(learned[meta.INTERP_INDEX], taps)
+    assert torch.equal(learned[meta.INTERP_WEIGHT], weights)
+    assert torch.equal(learned[meta.ROTARY_POSITIONS], positions)
+    assert learned[meta.SEQ].lengths == tuple(h * w for t, h, w in grids for _ in range(t))
+    assert meta.WINDOW_SEQ not in learned
+
+
+def test_geometry_from_configs_and_bad_grid():
+    qwen25 = transformers.Qwen2_5_VLVisionConfig(window_size=112, patch_size=14)
+    assert meta.VitGeometry.of(qwen25) == meta.VitGeometry("window", 14, 2, window=4)
+    assert meta.VitGeometry.of(qwen25.to_dict()) == meta.VitGeometry.of(qwen25)
+    qwen3 = transformers.Qwen3VLVisionConfig(num_position_embeddings=2304)
+    assert meta.VitGeometry.of(qwen3) == meta.VitGeometry("learned", 16, 2, side=48)
+    with pytest.raises(ValueError, match="multiple of merge 2"):
+        meta.vit_metadata([(1, 3, 4)], meta.VitGeometry.of(qwen3))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_tower_and_gradients_equal_transformers(kind):
+    hf = _hf_tower(kind)
+    ours = QwenVisionTower.adopt(hf)
+    theirs = {n: p for n, p in hf.named_parameters()}
+    assert {n: p for n, p in ours.named_parameters()}.keys() == theirs.keys()
+    assert all(p is theirs[n] for n, p in ours.named_parameters())  # the same objects
+    fresh = QwenVisionTower.from_config(hf.config.to_dict(), kind)  # config.json's dict
+    assert {n: p.shape for n, p in fresh.named_parameters()} == {
+        n: p.shape for n, p in theirs.items()
+    }
+    pixels = _pixels(hf.config, GRIDS).requires_grad_()
+    images = {"pixel_values": pixels, "image_grid_thw": torch.tensor(GRIDS),
+              **meta.vit_metadata(GRIDS, ours.geometry)}  # fmt: skip
+    feats, deepstack = ours(pixels, images)
+    ref = hf(pixels, grid_thw=images["image_grid_thw"], return_dict=True)
+    ref_deep = getattr(ref, "deepstack_features", None) or []
+    assert len(deepstack) == len(ref_deep) == (2 if kind == "qwen3_vl" else 0)
+    assert feats.shape == (sum(h * w for _, h, w in GRIDS) // 4, 32)
+    scale = ref.pooler_output.abs().max().item()
+    torch.testing.assert_close(feats, ref.pooler_output, rtol=1e-5, atol=1e-5 * scale)
+    for a, b in zip(deepstack, ref_deep):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    # Every gradient: one weighted sum of all outputs, through both towers.
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(f.shape, generator=g) for f in (feats, *deepstack)]
+    params = [pixels, *theirs.values()]
+    ours_g = torch.autograd.grad(sum((w * f).sum() for w, f in zip(weights, [feats, *deepstack])),
+                                 params)  # fmt: skip
+    ref_outs = [ref.pooler_output, *ref_deep]
+    ref_g = torch.autograd.grad(sum((w * f).sum() for w, f in zip(weights, ref_outs)), params)
+    for name, a, b in zip(["pixels", *theirs], ours_g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_tower_forward_and_backward_make_no_host_sync(kind):
+    hf = _hf_tower(kind)
+    ours = QwenVisionTower.adopt(hf)
+    pixels = _pixels(hf.config, GRIDS).requires_grad_()
+    images = meta.vit_metadata(GRIDS, ours.geometry)
+    with slipstream.count_syncs() as syncs:
+        feats, deepstack = ours(pixels, images)
+        (feats.sum() + sum(d.sum() for d in deepstack)).backward()
+    assert syncs.total == 0, syncs
+    with slipstream.count_syncs() as theirs:  # what transformers' tower makes (docs/vision.md)
+        hf(pixels, grid_thw=torch.tensor(GRIDS), return_dict=True).pooler_output.sum().backward()
+    assert theirs.total > 0
