@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         side = ImageProcessing.from_model(str(folder), tok)
         examples, _ = tokenize_rows(rows(args.rows, 0), tok, max_tokens=args.tokens, images=side)
         batches = pack_examples([len(ex) for ex in examples], args.tokens)
-        ours = slipstream.load_model(folder)
+        # The generic path, as docs/benchmarks.md's rows were measured (auto: the native family).
+        ours = slipstream.load_model(folder, implementation="transformers")
         slipstream.apply_lora(ours, rank=4, alpha=8)
         hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         linears = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"

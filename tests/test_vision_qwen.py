@@ -1,4 +1,5 @@
-"""Qwen2.5-VL on the generic image-text path: 3-D mRoPE positions built on the host per
+"""Qwen2.5-VL on the generic image-text path (`implementation: transformers`; `auto` takes the
+native family: tests/test_vision_native_qwen.py): 3-D mRoPE positions built on the host per
 packed sequence (data/mrope.py) equal transformers' get_rope_index; loss and LoRA grads equal
 transformers + peft with images of different grids and a text row in one micro-batch; packed
 equals separate; the 1-D positions would give other logits; greedy generation with images
@@ -62,7 +63,7 @@ def test_host_mrope_positions_equal_transformers_rope_index(qwen):
 
 def test_loss_lora_grads_and_packing_equal_transformers(qwen, tmp_path):
     folder, side, examples, _ = qwen
-    ours = slipstream.load_model(folder)
+    ours = slipstream.load_model(folder, implementation="transformers")
     assert ours.vision == {"tower": "model.visual", "projector": "model.visual.merger"}
     slipstream.apply_lora(ours, rank=4, alpha=8)
     assert not [n for n in slipstream.peft.lora.lora_modules(ours) if ".visual." in n]
@@ -97,8 +98,8 @@ def test_greedy_generation_with_images_equals_transformers_generate(qwen):
         [{"role": "user", "content": [{"type": "image", "image": random_image(100, 60, 1)},
                                       {"type": "text", "text": "And this?"}]}],
     ]  # fmt: skip
-    got = slipstream.generate(slipstream.load_model(folder), prompts, tokenizer=tok,
-                              max_new_tokens=6, stop=[])  # fmt: skip
+    model = slipstream.load_model(folder, implementation="transformers")
+    got = slipstream.generate(model, prompts, tokenizer=tok, max_new_tokens=6, stop=[])
     for c, messages in zip(got, prompts):
         if isinstance(messages[0]["content"], str):
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

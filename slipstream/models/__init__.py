@@ -21,6 +21,7 @@ FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
+    "qwen2_5_vl": "qwen2_5_vl",  # Qwen2_5_VLForConditionalGeneration: tower + language model
     "phi3": "phi3",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",

@@ -284,11 +284,17 @@ class CausalLM(nn.Module):
     def input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
+    # An image-text family's backbone takes `images` (models/qwen_vl.py: its `embed` writes
+    # the tower's features into their rows); a text family's refuses them.
+    takes_images = False
+
     def embed(self, input_ids_T: torch.Tensor, images: Any = None) -> torch.Tensor:
-        """(T, D) token embeddings; native families take no images yet."""
-        if images is not None:
+        """(T, D): the embedding stage (models/contract.py)."""
+        if images is None:
+            return self.model.embed_tokens(input_ids_T)
+        if not self.takes_images:
             raise ValueError(f"{self.config.model_type}: slipstream's native model takes no images")
-        return self.model.embed_tokens(input_ids_T)
+        return self.model.embed(input_ids_T, images)[0]
 
     def reset_buffers(self) -> None:
         self.model.reset_rope()
@@ -306,13 +312,23 @@ class CausalLM(nn.Module):
         """(kv heads, head dim, layer whose cache it reads) of each layer, for the KV cache."""
         return self.model.kv_layout()
 
-    def hidden_states(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        _check_batch(input_ids_T, seq)
-        return self.model(input_ids_T, seq)[0]
+    def hidden_states(
+        self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None
+    ) -> torch.Tensor:
+        """(T, D) after the final norm (`images`: an image-text family's image inputs)."""
+        return self._backbone_out(input_ids_T, seq, images)[0]
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None):
+        _check_batch(input_ids_T, seq)
+        if images is None:
+            return self.model(input_ids_T, seq)
+        if not self.takes_images:
+            raise ValueError(f"{self.config.model_type}: slipstream's native model takes no images")
+        return self.model(input_ids_T, seq, images)  # an image-text backbone (models/qwen_vl.py)
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None) -> torch.Tensor:
         return self.finish_logits(
-            F.linear(self.hidden_states(input_ids_T, seq), self.lm_head_weight())
+            F.linear(self.hidden_states(input_ids_T, seq, images), self.lm_head_weight())
         )
 
     def finish_logits(self, logits_TV: torch.Tensor) -> torch.Tensor:
@@ -331,6 +347,7 @@ class CausalLM(nn.Module):
         label_positions: torch.Tensor | None = None,
         return_parts: bool = False,
         temperature: float = 1.0,
+        images: Any = None,
     ):
         """Cross-entropy over positions whose label is not -100 (labels already shifted),
         plus, as transformers adds it, `router_aux_loss_coef * aux` when that is > 0 (MoE;
@@ -349,9 +366,10 @@ class CausalLM(nn.Module):
         completions under the distribution they were sampled from, as TRL does).
         With reduction "none", `return_parts` -> (cross-entropy_N, {"entropy", "mean_logit":
         (N,) each scored position's (tempered) softmax entropy and mean logit, detached}).
+        `images`: as `hidden_states`.
         """
         check_loss_args(input_ids_T, labels_T, seq, reduction, label_positions)
-        h_TD, router_stats = self.model(input_ids_T, seq)
+        h_TD, router_stats = self._backbone_out(input_ids_T, seq, images)
         loss = head_loss(
             h_TD, self.lm_head_weight(), labels_T, reduction, label_positions, temperature,
             self.logit_softcap, with_stats=return_parts and reduction == "none",

@@ -43,16 +43,20 @@ def layer_windows(cfg: ModelConfig) -> list[int | None]:
     return sliding_windows(window, types, L)
 
 
-def build(cfg: ModelConfig) -> CausalLM:
-    layers = [
+def decoder_layers(cfg: ModelConfig, windows: list[int | None]) -> list[DecoderLayer]:
+    """The Qwen2 decoder layers (also Qwen2.5-VL's language model: models/qwen2_5_vl.py)."""
+    return [
         DecoderLayer(
             cfg,
             Attention(cfg, window, o_bias=False),
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
         )
-        for window in layer_windows(cfg)
+        for window in windows
     ]
-    return CausalLM(cfg, Backbone(cfg, layers))
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    return CausalLM(cfg, Backbone(cfg, decoder_layers(cfg, layer_windows(cfg))))
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

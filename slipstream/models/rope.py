@@ -7,7 +7,14 @@ yarn (NTK-by-parts with an attention temperature). Partial rotary (`partial_rota
 0.75 on Phi-4-mini): RoPE turns the first R = int(Dh * factor) features of each head and
 passes the rest through, as transformers does for every family that sets it.
 
-Shapes: T tokens, H heads, Dh head dim, R rotary dims (Dh unless partial).
+Multimodal RoPE (mRoPE, Qwen-VL): each token has three positions (t, h, w: (3, T), built on
+the host, data/mrope.py) and each rotary frequency reads one of them, by sections
+(`mrope_section` [s_t, s_h, s_w], summing to R/2): in blocks (Qwen2-VL, Qwen2.5-VL: the first
+s_t frequencies read t, the next s_h h, the last s_w w) or interleaved (Qwen3-VL, Qwen3.5:
+t h w t h w ..., h and w on the first s_h and s_w of their turns, t on the rest). A text token's
+positions are (p, p, p), so text alone gives the 1-D tables.
+
+Shapes: T tokens, H heads, Dh head dim, R rotary dims (Dh unless partial), F = R/2 frequencies.
 """
 
 from __future__ import annotations
@@ -128,6 +135,37 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (T, R) for the given positions; computed in float32, then cast."""
     freqs_TF = position_ids_T.float()[:, None] * inv_freq.float()[None, :]
+    emb_TD = torch.cat([freqs_TF, freqs_TF], dim=-1)
+    return (emb_TD.cos() * scale).to(dtype), (emb_TD.sin() * scale).to(dtype)
+
+
+def mrope_axes(section, interleaved: bool, freqs: int) -> list[int]:
+    """Which position row (0 t, 1 h, 2 w) each of the F rotary frequencies reads (module
+    docstring); a one-line error when the sections do not cover F."""
+    if len(section) != 3 or sum(section) != freqs:
+        raise ValueError(
+            f"config.json: rope mrope_section={list(section)} must be three numbers summing to "
+            f"{freqs} (half the rotary dims)."
+        )
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    axes = [0] * freqs
+    for axis in (1, 2):  # transformers' apply_interleaved_mrope: h at 1, 4, ..., w at 2, 5, ...
+        for j in range(axis, min(section[axis] * 3, freqs), 3):  # its slice, cut at F
+            axes[j] = axis
+    return axes
+
+
+def mrope_cos_sin(
+    positions_3T: torch.Tensor,
+    inv_freq: torch.Tensor,
+    axes_F: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, R) of 3-D positions: frequency j turns by position row axes_F[j]."""
+    pos_FT = positions_3T.index_select(0, axes_F).float()  # a gather: no host sync
+    freqs_TF = pos_FT.T * inv_freq.float()[None, :]
     emb_TD = torch.cat([freqs_TF, freqs_TF], dim=-1)
     return (emb_TD.cos() * scale).to(dtype), (emb_TD.sin() * scale).to(dtype)
 

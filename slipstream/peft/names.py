@@ -102,11 +102,13 @@ def target_modules(
 
 def paths_regex(paths: Iterable[str]) -> str:
     """A regex full-matching these module paths at any layer number: one alternative per
-    parent path, its last names grouped."""
+    parent path, its last names grouped. A last name that is a number stays that number
+    (`merger.mlp.0`, a Sequential's linear: `mlp.1` is its activation)."""
     groups: dict[str, set[str]] = {}
     for path in paths:
-        parts = [r"\d+" if p.isdigit() else re.escape(p) for p in path.split(".")]
-        groups.setdefault(r"\.".join(parts[:-1]), set()).add(parts[-1])
+        *parents, last = path.split(".")
+        parts = [r"\d+" if p.isdigit() else re.escape(p) for p in parents]
+        groups.setdefault(r"\.".join(parts), set()).add(re.escape(last))
     alternatives = []
     for parent, last in sorted(groups.items()):
         tail = next(iter(last)) if len(last) == 1 else f"(?:{'|'.join(sorted(last))})"

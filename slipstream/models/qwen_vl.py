@@ -1,0 +1,200 @@
+"""What the native Qwen-VL image-text families share (Qwen2.5-VL: models/qwen2_5_vl.py, ...):
+the backbone that holds the vision tower beside the token embedding, the embedding stage, 3-D
+mRoPE and deepstack, and the checkpoint layouts.
+
+- Embedding stage (`embed`): the tower runs once over every image of the micro-batch and its
+  features are written into the rows the collator found on the host (`images["image_rows"]`,
+  data/vision.py) by `index_copy`: no `input_ids == image_token_id` on the device, no boolean
+  mask, no host sync. A frozen tower (its parameters and the pixels need no grad) records no
+  autograd state.
+- Positions: with images, each layer's RoPE turns by the host-built 3-D positions
+  (`images["mrope_position_ids"]`, (3, T): data/mrope.py) through the family's mRoPE sections
+  (models/rope.py); without (text batches, decode steps) the 1-D ones, which equal (p, p, p).
+- Deepstack (Qwen3-VL): the tower's intermediate features are added to the image rows after
+  the first decoder layers, by `index_add` over the same rows.
+- The tower is called `tower(pixel_values, images) -> (feats_PD, [deepstack_PD])`, its
+  parameters named as transformers' `model.visual`. `TransformersTower` holds transformers' own
+  vision module behind that call (its SDPA attention, its host syncs: docs/vision.md) until
+  slipstream's packed tower (models/qwen_vit.py) replaces it in `vision_tower`.
+
+Names: ours are transformers' module tree with `model.language_model.` read as `model.`
+(`model.embed_tokens`, `model.layers.*`, `model.visual.*`, `lm_head`); checkpoints hold that
+tree or the older layout transformers still writes for Qwen2.5-VL (`model.layers.*`,
+`visual.*`); peft's adapter keys follow the module tree.
+
+Shapes: T tokens (flat, packed), D hidden, P image feature rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipstream.models.common import Backbone, CausalLM, ModelConfig, RMSNorm, split_outputs
+from slipstream.models.rope import mrope_axes, mrope_cos_sin
+from slipstream.models.weights import WeightMap
+from slipstream.ops.packing import SeqInfo
+
+ROWS = "image_rows"  # data/vision.py: the packed rows the features fill, (P,) int64
+MROPE_FIELD = "mrope_position_ids"  # data/vision.py: the batch's (3, T) positions
+MODULE_TREE = (("model.visual.", "model.visual."), ("model.", "model.language_model."),
+               ("lm_head.", "lm_head."))  # fmt: skip
+OLD_LAYOUT = (("model.visual.", "visual."), ("model.", "model."), ("lm_head.", "lm_head."))
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of an image-text config.json (`text_config`, or the top
+    level of configs written by transformers 4), its rope type 'mrope' read as the default
+    (the sections are read apart: `mrope_section`)."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    text.pop("text_config", None)
+    text.pop("vision_config", None)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = dict(text.get(key) or {})
+        if params.get("rope_type", params.get("type")) == "mrope":
+            params.pop("type", None)
+            params["rope_type"] = "default"
+        if params:
+            text[key] = params
+    text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    return text
+
+
+def mrope_section(text: dict[str, Any]) -> list[int]:
+    params = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+    if "mrope_section" not in params:
+        raise ValueError("config.json: an image-text Qwen config needs rope mrope_section.")
+    return list(params["mrope_section"])
+
+
+class TransformersTower(nn.Module):
+    """transformers' vision module of a config behind the tower call (module docstring);
+    its children are ours, so parameter names are its own."""
+
+    def __init__(self, hf_visual: nn.Module) -> None:
+        super().__init__()
+        assert not hf_visual._parameters, "tensors outside its submodules"
+        self.__dict__["hf"] = hf_visual  # not a submodule: its children are ours, names kept
+        for name, child in hf_visual.named_children():
+            self.add_module(name, child)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> TransformersTower:
+        """The tower of config.json `hf` (an image-text model's), randomly initialised on the
+        current default device, with SDPA attention (images are not packed sequences here)."""
+        from transformers import AutoConfig, AutoModel
+
+        hf = dict(hf)
+        vision = AutoConfig.for_model(hf.pop("model_type"), **hf).vision_config
+        vision._attn_implementation = "sdpa"
+        return cls(AutoModel.from_config(vision, attn_implementation="sdpa"))
+
+    def train(self, mode: bool = True) -> TransformersTower:
+        super().train(mode)
+        self.hf.training = mode
+        return self
+
+    def forward(self, pixel_values: torch.Tensor, images: dict[str, Any]):
+        """-> ((P, D) features of every image in order, [(P, D)] deepstack features)."""
+        dtype = self.patch_embed.proj.weight.dtype
+        out = self.hf(pixel_values.to(dtype), grid_thw=images["image_grid_thw"])
+        return out.pooler_output, list(getattr(out, "deepstack_features", None) or ())
+
+    def reset_buffers(self) -> None:
+        """The rotary tables' inverse frequencies, as the modules' constructors compute them
+        (after `to_empty`)."""
+        for module in self.modules():
+            if "inv_freq" in module._buffers and hasattr(module, "config"):
+                with torch.device("cpu"):
+                    fresh = type(module)(module.config)
+                for name in ("inv_freq", "original_inv_freq"):
+                    if name in module._buffers:
+                        module._buffers[name].copy_(fresh._buffers[name])
+
+
+def vision_tower(hf: dict[str, Any]) -> nn.Module:
+    """The tower of config.json `hf` (module docstring: the one line to switch)."""
+    return TransformersTower.from_hf(hf)
+
+
+class ImageTextBackbone(Backbone):
+    """`Backbone` plus the vision tower (`visual`), the embedding stage that writes its
+    features into their rows, mRoPE by `section` (`interleaved` or in blocks) and deepstack."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[nn.Module],
+        visual: nn.Module,
+        section: list[int],
+        interleaved: bool,
+        norm: Any = RMSNorm,
+    ) -> None:
+        super().__init__(cfg, layers, norm)
+        self.visual = visual
+        self._axes = mrope_axes(section, interleaved, self.inv_freq.shape[0])
+        self.register_buffer("mrope_axes", torch.tensor(self._axes), persistent=False)
+
+    def reset_rope(self) -> None:
+        super().reset_rope()
+        self.mrope_axes.copy_(torch.tensor(self._axes))
+        self.visual.reset_buffers()
+
+    def embed(self, input_ids_T: torch.Tensor, images: dict[str, Any]):
+        """((T, D) embeddings with the image features in their rows, [deepstack (P, D)])."""
+        x_TD = self.embed_tokens(input_ids_T)
+        feats_PD, deepstack = self.visual(images["pixel_values"], images)
+        rows_P = images[ROWS]
+        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
+            raise ValueError(
+                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
+                "image tokens; the data's image processor does not match this model"
+            )
+        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype)), deepstack
+
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: dict | None = None):
+        """-> (h_TD after the final norm, the layers' extra outputs); `images`: the batch's
+        image inputs (module docstring), None for text."""
+        if images is None:
+            return super().forward(input_ids_T, seq)
+        x_TD, deepstack = self.embed(input_ids_T, images)
+        positions_3T = images.get(MROPE_FIELD)
+        if positions_3T is None:
+            cos_sin = self.rope_tables(seq, x_TD.dtype)[0]
+        else:
+            cos_sin = mrope_cos_sin(
+                positions_3T, self.inv_freq, self.mrope_axes, self.rope_scale, x_TD.dtype
+            )
+        extras: list = []
+        for i, layer in enumerate(self.layers):
+            x_TD, more = split_outputs(layer(x_TD, seq, cos_sin))
+            extras += more
+            if i < len(deepstack):  # Qwen3-VL: the tower's layer-i features into the rows
+                x_TD = x_TD.index_add(0, images[ROWS], deepstack[i].to(x_TD.dtype))
+        return self.norm(x_TD), extras
+
+
+class ImageTextLM(CausalLM):
+    """A native image-text model: `CausalLM` whose `embed`, `hidden_states`, `loss` and
+    `forward` take `images`; `vision` names the tower and projector (train/setup.py)."""
+
+    takes_images = True
+
+    def __init__(self, cfg: ModelConfig, backbone: ImageTextBackbone, **kwargs: Any) -> None:
+        super().__init__(cfg, backbone, **kwargs)
+        self.vision = {"tower": "model.visual", "projector": "model.visual.merger"}
+        # LoRA stays off the vision side unless vision.tower/projector ask (train/setup.py).
+        self.no_lora_prefixes = ("model.visual.",)
+
+    def image_features(self, images: dict[str, Any]) -> torch.Tensor:
+        """(P, D): the tower and projector over every image of the batch, in order."""
+        return self.model.visual(images["pixel_values"], images)[0]
+
+
+class QwenVLWeights(WeightMap):
+    """Ours = transformers' module tree with `model.language_model.` as `model.` (module
+    docstring); checkpoints in that tree or the older `model.*` + `visual.*` layout."""
+
+    layouts = (MODULE_TREE, OLD_LAYOUT)
