@@ -1,7 +1,8 @@
-"""The text model of multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration,
-`model_type: gemma3`) against transformers and peft through load_model: logits, loss and grads,
-LoRA adapters both ways (none on the vision tower), merged export that is still a multimodal
-model (vision tower and projector bit-identical), NF4, and a trainer run.
+"""Multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration, `model_type: gemma3`) on
+text against transformers and peft through load_model: logits, loss and grads, LoRA adapters
+both ways (none on the vision tower unless asked; a peft adapter that wraps it loads), merged
+export that is still a multimodal model (vision tower and projector bit-identical), NF4 (text
+linears only), and a trainer run. Images: tests/test_vision_native_gemma.py.
 
 The tiny text config is test_gemma3's (windows, two RoPEs, query_pre_attn_scalar != head_dim);
 the vision side is a one-layer SigLIP whose attention has q_proj/k_proj/v_proj, the names a
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 
 import slipstream
 from slipstream.models import gemma3
+from slipstream.models.weights import from_hf_name, to_hf_name
 from slipstream.ops.packing import SeqInfo
 
 VOCAB = 97
@@ -116,8 +118,10 @@ def test_packed_logits_match_transformers_per_sequence(mm_dir):
     ours = slipstream.load_model(path)
     assert ours.config.model_type == "gemma3" and ours.config.tie_word_embeddings
     assert [layer.self_attn.window for layer in ours.model.layers] == [4, None, 4]
-    # The vision side is never held by our model.
-    assert all(n.startswith("model.") and "vision" not in n for n, _ in ours.named_parameters())
+    # The vision side is held under transformers' names below its prefixes, as saved.
+    theirs = dict(hf.named_parameters())
+    vision = {n: p for n, p in ours.named_parameters() if not n.startswith("model.")}
+    assert len(vision) > 10 and all(torch.equal(p, theirs[f"model.{n}"]) for n, p in vision.items())
     ids = _ids(sum(LENGTHS), seed=1)
     with torch.no_grad():
         packed = ours(ids, SeqInfo.from_lengths(LENGTHS))
@@ -136,7 +140,10 @@ def test_loss_and_grads_match_transformers(mm_dir):
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
-        theirs = hf_params[name.replace("model.", "model.language_model.", 1)]
+        theirs = hf_params[to_hf_name(name, gemma3.MULTIMODAL_LAYOUTS[0])]
+        if p.grad is None:  # the vision side, on text
+            assert theirs.grad is None and not name.startswith("model."), name
+            continue
         torch.testing.assert_close(p.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
@@ -219,15 +226,28 @@ def test_peft_adapter_with_language_model_regex_loads_here(mm_dir, tmp_path, lay
     torch.testing.assert_close(_hf_logits(again, ids, LENGTHS), got, atol=1e-4, rtol=1e-4)
 
 
-def test_peft_adapter_on_the_vision_tower_is_a_one_line_error(mm_dir, tmp_path):
-    """A name list in peft wraps the SigLIP q/k/v_proj too: we say so instead of failing
-    on a key."""
+def test_peft_adapter_on_the_vision_tower_loads_here(mm_dir, tmp_path):
+    """A name list in peft wraps the SigLIP q/v_proj too; our model holds the tower, so the
+    adapter loads whole: the same image features and text logits as peft's."""
     hf, path = mm_dir
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    get_peft_model(copy.deepcopy(hf), config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="vision side.*target_modules regex") as e:
-        slipstream.load_adapter(slipstream.load_model(path), tmp_path)
-    assert "\n" not in str(e.value)
+    peft_model = get_peft_model(copy.deepcopy(hf), config)
+    randomise_lora_b(peft_model)
+    peft_model.save_pretrained(tmp_path)
+    ours = slipstream.load_adapter(slipstream.load_model(path), tmp_path)
+    wrapped = slipstream.peft.lora.lora_modules(ours)
+    assert len(wrapped) == 3 * 2 + 2 and sum(n.startswith("vision_tower.") for n in wrapped) == 2
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    ids = _ids(sum(LENGTHS), seed=8)
+    with torch.no_grad():  # the tower's output (this checkpoint's projection is zeros)
+        feats = ours.vision_tower(pixels)
+        tower = peft_model.eval().base_model.model.model.vision_tower
+        expected = tower(pixel_values=pixels).last_hidden_state
+        torch.testing.assert_close(feats, expected, atol=1e-5, rtol=1e-4)
+        plain = hf.model.vision_tower(pixel_values=pixels).last_hidden_state
+        assert (plain - feats).abs().max() > 1e-4  # the tower's adapter matters
+        got = ours(ids, SeqInfo.from_lengths(LENGTHS))
+        torch.testing.assert_close(got, _hf_logits(peft_model, ids, LENGTHS), atol=1e-4, rtol=1e-4)
 
 
 def test_export_merged_is_a_multimodal_checkpoint(mm_dir, tmp_path):
@@ -256,7 +276,8 @@ def test_export_merged_is_a_multimodal_checkpoint(mm_dir, tmp_path):
     assert len(vision) > 10 and set(exported) == set(source)
     assert all(torch.equal(exported[k], source[k]) for k in vision)
     summary = json.loads((tmp_path / "export_summary.json").read_text())
-    assert summary["copied_from_source"]["tensors"] == len(vision)
+    # Only SigLIP's pooling head (unused by Gemma 3) is copied; the rest is ours, unchanged.
+    assert summary["copied_from_source"]["tensors"] == len([k for k in vision if ".head." in k])
     theirs = dict(back.named_parameters())
     for name, p in hf.named_parameters():
         if _is_vision(name):
@@ -277,7 +298,7 @@ def test_export_from_a_4bit_vision_tower_is_a_one_line_error(mm_dir, tmp_path):
     full-precision export: say where to export from instead."""
     _, path = mm_dir
     tensors = _tensors(path)
-    name = next(k for k in tensors if k.startswith("vision_tower.") and k.endswith(".weight"))
+    name = next(k for k in tensors if k.startswith("vision_tower.head.") and k.endswith(".weight"))
     tensors[f"{name}.absmax"] = torch.ones(4)
     src = tmp_path / "src"
     src.mkdir()
@@ -368,9 +389,9 @@ GEMMA3_4B_V4 = {
 }  # fmt: skip
 
 
-def test_published_4b_config_builds_transformers_text_model():
-    """The sparse 4B config.json builds, on the meta device, the language model transformers
-    builds from it: same names (under model.language_model), shapes, windows, RoPEs."""
+def test_published_4b_config_builds_transformers_model():
+    """The sparse 4B config.json builds, on the meta device, the model transformers builds
+    from it: same names (below its prefixes), shapes, windows, RoPEs."""
     import transformers
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
@@ -382,11 +403,8 @@ def test_published_4b_config_builds_transformers_text_model():
     with torch.device("meta"):
         ref = transformers.Gemma3ForConditionalGeneration(hf_cfg)
         ours = gemma3.build(gemma3.config_from_hf(GEMMA3_4B_V4))
-    expected = {
-        n.replace("model.language_model.", "model."): p.shape
-        for n, p in ref.named_parameters()
-        if n.startswith("model.language_model.")
-    }
+    layout = (gemma3.MULTIMODAL_LAYOUTS[0],)  # the text model, SigLIP and the projector
+    expected = {from_hf_name(n, layout): p.shape for n, p in ref.named_parameters()}
     assert {n: p.shape for n, p in ours.named_parameters()} == expected
     assert ours.config.tie_word_embeddings and ours.config.vocab_size == 262_208
     windows = [layer.self_attn.window for layer in ours.model.layers]

@@ -4,9 +4,9 @@ tests/helpers/tiny_vlm.py):
 
 - Qwen3-VL (`qwen3_vl`): 3-D mRoPE from the host, and deepstack: the tower's intermediate
   features added to the image rows after the first decoder layers (forward hooks, index_add);
-- Gemma 3 (`gemma3`, image+text through the generic path; its native family stays text-only):
-  each image's rows attend to one another (SeqInfo.image_spans), causal elsewhere, on sliding
-  and full layers;
+- Gemma 3 (`gemma3` with `model.implementation: transformers`, the reference path; its native
+  family: tests/test_vision_native_gemma.py): each image's rows attend to one another
+  (SeqInfo.image_spans), causal elsewhere, on sliding and full layers;
 - Idefics3 (`idefics3`): images split into crops plus a global view, each crop its own row of
   the tower's batch; SmolVLM (`smolvlm`) the same, its placeholders by transformers' own
   `get_image_prompt_string` (its processor class builds a video processor: torchvision).
@@ -34,10 +34,9 @@ from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, i
 KINDS = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3", "smolvlm"]
 QWEN35 = ("qwen3_5", "qwen3_5_moe")
 NO_PROCESSOR = ("qwen3_vl", *QWEN35, "smolvlm")
-ON_GENERIC = (
-    "gemma3",
-    *QWEN35,
-)  # native families of their text model only  # their processor classes need torchvision here
+# Loaded with `implementation: transformers`: Gemma 3 as the reference for its native image
+# family, Qwen3.5 whose native family is text only.
+ON_GENERIC = ("gemma3", *QWEN35)
 SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
 
 
@@ -62,8 +61,8 @@ def vlm(request, tmp_path_factory):
 
 
 def _load(kind, folder):
-    # Gemma 3's and Qwen3.5's native families are text only: their image side takes
-    # transformers' code.
+    # Gemma 3: transformers' code here, the reference (its native family:
+    # tests/test_vision_native_gemma.py); Qwen3.5's native family is text only.
     how = {"implementation": "transformers"} if kind in ON_GENERIC else {}
     return slipstream.load_model(folder, **how)
 
@@ -239,7 +238,7 @@ def _prompt_inputs(kind, folder, tok, side, messages):
     return inputs
 
 
-@pytest.mark.parametrize("vlm", ["gemma3", "qwen3_5"], indirect=True)
+@pytest.mark.parametrize("vlm", ["qwen3_5"], indirect=True)
 def test_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
     from slipstream.config import load_config
     from slipstream.train.setup import image_implementation

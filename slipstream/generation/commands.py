@@ -49,7 +49,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def load(args: argparse.Namespace, chat: bool = False, images: bool = False):
     """(model, tokenizer) of a model folder, or of an adapter folder on its base model;
     `chat`: the tokenizer must have a chat template (said before the weights load);
-    `images`: prompts hold images (Gemma 3 then loads on the generic image-text path)."""
+    `images`: prompts hold images (a type in models.IMAGE_TEXT_ON_GENERIC then loads on the
+    generic image-text path)."""
     from slipstream.checkpoint.model_type import check_model_source, model_config
     from slipstream.sources import adapter_base, check_model_path
 

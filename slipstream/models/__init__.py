@@ -40,9 +40,14 @@ FAMILIES: dict[str, str] = {
 IMPLEMENTATIONS = ("auto", "native", "transformers")  # `model.implementation`
 GENERIC = "generic"  # the family module for transformers' own modeling code
 GENERIC_VISION = "generic_vision"  # and for its image-text models (AutoModelForImageTextToText)
-# Native text families of image-text checkpoints whose image side runs on the generic image-text
-# path: `implementation: transformers` (and `auto` with image rows: train/setup.py) takes it.
-IMAGE_TEXT_ON_GENERIC = ("gemma3", "qwen3_5", "qwen3_5_moe")
+# Native families of image-text checkpoints whose `implementation: transformers` is
+# transformers' image-text model (the generic image-text path: the reference for tests).
+IMAGE_TEXT_REFERENCE = ("gemma3",)
+# Native text families of image-text checkpoints whose image side runs on the generic
+# image-text path: `implementation: transformers` (and `auto` with image rows: train/setup.py,
+# generation/commands.py) takes it. Gemma 3's native family trains its image side
+# (models/gemma3.py, siglip.py).
+IMAGE_TEXT_ON_GENERIC: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
 
 
 def choose_family(
@@ -74,7 +79,7 @@ def choose_family(
         return native, "native family, as model.implementation=native asks"
     if native is not None and implementation == "auto":
         return native, f"native family slipstream/models/{native}.py"
-    if model_type in IMAGE_TEXT_ON_GENERIC and "vision_config" in (hf or {}):
+    if model_type in IMAGE_TEXT_REFERENCE + IMAGE_TEXT_ON_GENERIC and "vision_config" in (hf or {}):
         return GENERIC_VISION, f"transformers' image-text modeling code for {model_type!r}"
     from slipstream.models.generic_types import builds_image_text, transformers_builds
 

@@ -222,10 +222,12 @@ class Backbone(nn.Module):
         cos_sin = rope_cos_sin(seq.position_ids, self.inv_freq, self.rope_scale, dtype)
         return [cos_sin] * len(self.layers)
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo):
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, x_TD: torch.Tensor | None = None):
         """-> (h_TD after the final norm, the layers' extra outputs in layer order: the MoE
-        blocks' router statistics)."""
-        x_TD, extras = self.embed_tokens(input_ids_T), []
+        blocks' router statistics). `x_TD`: the input embeddings when the model's embedding
+        stage gave them (Gemma 3: image features in their rows), else the token embeddings."""
+        x_TD = self.embed_tokens(input_ids_T) if x_TD is None else x_TD
+        extras = []
         for layer, cos_sin in zip(self.layers, self.rope_tables(seq, x_TD.dtype), strict=True):
             x_TD, more = split_outputs(layer(x_TD, seq, cos_sin))
             extras += more

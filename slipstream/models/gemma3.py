@@ -15,11 +15,18 @@ What differs from the Llama decoder:
   with its own type's pair, so a layer is still `layer(x_TD, seq, cos_sin)`.
 Weights load by name (HF names throughout).
 
-Multimodal checkpoints (`gemma3`): the model is the same text model, built from `text_config`;
-only names differ at the checkpoint boundary. Transformers holds it under
-`model.language_model.*` (+ `lm_head`), its checkpoints under `language_model.model.*`; the
-SigLIP tower and the projector are never loaded: save and export copy them from the source
-checkpoint (`Gemma3Weights`), and `config.json` is written back whole.
+Multimodal checkpoints (`gemma3`): the same text model, built from `text_config`, plus the
+SigLIP tower and the projector (models/siglip.py) as `Gemma3ImageTextLM`: its embedding stage
+`embed(ids, images)` runs the tower once over the micro-batch's images and writes their pooled
+features into the rows the collator found on the host (`images["image_rows"]`, index_copy; no
+search for the image token on the device); each image's rows attend to one another through
+`seq.image_spans` (ops/attention.py). Only names differ at the checkpoint boundary:
+transformers holds the parts under `model.language_model.*`, `model.vision_tower.*`,
+`model.multi_modal_projector.*` (+ `lm_head`), its saved checkpoints under
+`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`, the published ones the
+tower under `vision_tower.vision_model.*` (`MULTIMODAL_LAYOUTS`). SigLIP's pooling head,
+unused by Gemma 3, is passed through (save and export copy it from the source checkpoint);
+`config.json` is written back whole.
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, F mlp width.
 """
@@ -41,10 +48,12 @@ from slipstream.models.common import (
     CausalLM,
     GatedMLP,
     ModelConfig,
+    _check_batch,
     base_config_from_hf,
     sliding_windows,
 )
 from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
+from slipstream.models.siglip import Gemma3MultiModalProjector, SiglipConfig, SiglipVisionTower
 from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
@@ -86,18 +95,34 @@ TEXT_CONFIG_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 131_072,
 }
 # Where Gemma3ForConditionalGeneration holds our modules (our prefix -> theirs): first
-# transformers' module tree, which peft's adapter keys follow; then the layout its
-# save_pretrained writes and the published checkpoints use. Either loads.
+# transformers' module tree, which peft's adapter keys follow; then the published checkpoints'
+# layout (the tower under `vision_model`), then the one transformers' save_pretrained writes
+# (ties at save: the last). Any of them loads.
+_VISION = ("vision_tower.", "multi_modal_projector.")
 MULTIMODAL_LAYOUTS = (
-    (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
-    (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    (
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("model.", "model.language_model."),
+        ("lm_head.", "lm_head."),
+    ),
+    (
+        ("vision_tower.", "vision_tower.vision_model."),
+        ("multi_modal_projector.", "multi_modal_projector."),
+        ("model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+    ),
+    (
+        *((p, p) for p in _VISION),
+        ("model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+    ),
 )
-# Its tensors that are not ours, in either layout: the SigLIP tower and the projector.
+# Its tensors that are not ours, in any layout: SigLIP's pooling head (Gemma 3 uses none).
 MULTIMODAL_PASSTHROUGH = (
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-    "vision_tower.",
-    "multi_modal_projector.",
+    "model.vision_tower.head.",
+    "vision_tower.vision_model.head.",
+    "vision_tower.head.",
 )
 
 
@@ -260,6 +285,53 @@ class Gemma3Backbone(Backbone):
         return [local if sliding else full for sliding in self.sliding]
 
 
+class Gemma3ImageTextLM(CausalLM):
+    """The text model plus SigLIP and the projector: `embed(ids, images)` writes each image's
+    `mm_tokens_per_image` features into its rows; `hidden_states`, `loss` and `forward` take
+    the same `images=` (models/contract.py). The tower and projector sit beside the backbone,
+    as in transformers' tree, so the backbone takes `embed`'s output (`x_TD`)."""
+
+    takes_images = True
+
+    def __init__(self, cfg: Gemma3Config, backbone: Gemma3Backbone) -> None:
+        super().__init__(cfg, backbone)
+        vision = SiglipConfig.from_hf(cfg.hf.get("vision_config") or {})
+        tokens = int(cfg.hf.get("mm_tokens_per_image", 256))
+        self.vision_tower = SiglipVisionTower(vision)
+        norm = Gemma3RMSNorm(vision.hidden_size, vision.layer_norm_eps)
+        projector = Gemma3MultiModalProjector(vision, tokens, cfg.hidden_size, norm)
+        self.multi_modal_projector = projector
+        # The parts `vision.tower` / `vision.projector` name (train/setup.py); LoRA stays off
+        # them unless those settings ask for it.
+        self.vision = {"tower": "vision_tower", "projector": "multi_modal_projector"}
+        self.no_lora_prefixes = tuple(f"{p}." for p in self.vision.values())
+
+    def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(P, D): the tower and projector over every image of the batch, in order."""
+        feats_NMD = self.multi_modal_projector(self.vision_tower(images["pixel_values"]))
+        return feats_NMD.flatten(0, 1)
+
+    def embed(self, input_ids_T: torch.Tensor, images: Any = None) -> torch.Tensor:
+        """(T, D) scaled token embeddings, image features (unscaled, as transformers writes
+        them) in the rows `images["image_rows"]` names."""
+        x_TD = self.model.embed_tokens(input_ids_T)
+        if images is None:
+            return x_TD
+        feats_PD, rows_P = self.image_features(images), images["image_rows"]
+        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
+            raise ValueError(
+                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
+                "image tokens; the data's image processor does not match this model"
+            )
+        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+
+    def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None):
+        if images is None:
+            return super()._backbone_out(input_ids_T, seq)
+        _check_batch(input_ids_T, seq)  # what the inherited step checks first
+        return self.model(input_ids_T, seq, x_TD=self.embed(input_ids_T, images))
+
+
 def build(cfg: Gemma3Config) -> CausalLM:
     Dh, eps = cfg.head_dim, cfg.rms_norm_eps
     gelu = functools.partial(F.gelu, approximate=cfg.gelu_approximate)
@@ -277,20 +349,25 @@ def build(cfg: Gemma3Config) -> CausalLM:
         )
         for window in sliding_windows(cfg.sliding_window, cfg.layer_types, cfg.num_hidden_layers)
     ]
+    if cfg.model_type == "gemma3" and "vision_config" in cfg.hf:
+        return Gemma3ImageTextLM(cfg, Gemma3Backbone(cfg, layers))
     return CausalLM(cfg, Gemma3Backbone(cfg, layers))
 
 
 class Gemma3Weights(WeightMap):
     """HF names; a multimodal checkpoint holds them under its own prefixes (MULTIMODAL_LAYOUTS)
-    beside the vision side (MULTIMODAL_PASSTHROUGH), which we pass through."""
+    beside SigLIP's unused pooling head (MULTIMODAL_PASSTHROUGH), which we pass through."""
 
     def __init__(self, cfg: Gemma3Config) -> None:
         super().__init__(cfg)
         self.layouts = MULTIMODAL_LAYOUTS if cfg.model_type == "gemma3" else ()
 
     def is_passthrough(self, name: str) -> bool:
-        """A checkpoint tensor (or module path) outside the text model: the vision side."""
+        """A checkpoint tensor (or module path) we do not hold: SigLIP's pooling head."""
         return bool(self.layouts) and name.startswith(MULTIMODAL_PASSTHROUGH)
+
+    def our_name(self, name: str) -> str | None:
+        return None if self.is_passthrough(name) else super().our_name(name)
 
 
 weights = Gemma3Weights

@@ -202,8 +202,11 @@ class NF4Loader:
 
     def replace_targets(self, model: nn.Module) -> None:
         self.model = model
+        # An image-text model's vision side stays in full precision, as its LoRA stays off it
+        # by default (Gemma 3's SigLIP: `no_lora_prefixes`).
+        skip = self.skip + tuple(getattr(model, "no_lora_prefixes", ()))
         self.targets = set(
-            quantize_linear_targets(model, compute_dtype=self.compute_dtype, skip=self.skip)
+            quantize_linear_targets(model, compute_dtype=self.compute_dtype, skip=skip)
         )
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
