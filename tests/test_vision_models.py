@@ -33,10 +33,11 @@ from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, i
 
 KINDS = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3", "smolvlm"]
 QWEN35 = ("qwen3_5", "qwen3_5_moe")
-NO_PROCESSOR = ("qwen3_vl", *QWEN35, "smolvlm")
-# Loaded with `implementation: transformers`: Gemma 3 as the reference for its native image
-# family, Qwen3.5 whose native family is text only.
-ON_GENERIC = ("gemma3", *QWEN35)
+NO_PROCESSOR = ("qwen3_vl", *QWEN35, "smolvlm")  # their processor classes need torchvision here
+# Loaded with `implementation: transformers`: Qwen3-VL and Gemma 3 as the references for their
+# native image families (tests/test_vision_native_qwen.py, test_vision_native_gemma.py),
+# Qwen3.5 whose native family is text only.
+ON_GENERIC = ("qwen3_vl", "gemma3", *QWEN35)
 SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
 
 
@@ -61,8 +62,6 @@ def vlm(request, tmp_path_factory):
 
 
 def _load(kind, folder):
-    # Gemma 3: transformers' code here, the reference (its native family:
-    # tests/test_vision_native_gemma.py); Qwen3.5's native family is text only.
     how = {"implementation": "transformers"} if kind in ON_GENERIC else {}
     return slipstream.load_model(folder, **how)
 

@@ -1,15 +1,16 @@
-"""Native Qwen-VL image-text families (models/qwen_vl.py: Qwen2.5-VL) against transformers +
-peft on the same processed conversations (tiny random models, processors built offline:
-tests/helpers/tiny_vlm.py): two image rows (three images of different grids) and a text row in
-one micro-batch.
+"""Native Qwen-VL image-text families (models/qwen_vl.py: Qwen2.5-VL, Qwen3-VL) against
+transformers + peft on the same processed conversations (tiny random models, processors built
+offline: tests/helpers/tiny_vlm.py): two image rows (three images of different grids) and a
+text row in one micro-batch.
 
 Per type: `auto` takes the native family; loss and every LoRA gradient equal transformers +
 peft (1e-4 rel), the adapter loading in peft on AutoModelForImageTextToText with equal logits;
-packed equals separate; 1-D positions give other logits (the mRoPE test can fail); 0 host
-syncs in a LoRA step with the tower's output given (the tower is transformers' own until
-models/qwen_vit.py: its syncs are counted apart); greedy generation with an image equals
-transformers' `generate`; the merged export loads in transformers with equal logits; LoRA on
-the tower (`vision.tower: lora`) loads in peft; a 2-step CLI run takes the native family.
+packed equals separate; 1-D positions give other logits (the mRoPE test can fail), and so
+does Qwen3-VL without its deepstack rows; 0 host syncs in a LoRA step with the tower's output
+given (the tower is transformers' own until models/qwen_vit.py: its syncs are counted apart);
+greedy generation with an image equals transformers' `generate`; the merged export loads in
+transformers with equal logits; LoRA on the tower (`vision.tower: lora`) loads in peft; a
+2-step CLI run takes the native family.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import slipstream
 from slipstream.data import collate, tokenize_rows
 from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, image_inputs
 
-KINDS = ["qwen2_5_vl"]
+KINDS = ["qwen2_5_vl", "qwen3_vl"]
 SIZES = [[(50, 90)], [(100, 60), (30, 30)]]
 
 
@@ -49,8 +50,8 @@ def vlm(request, tmp_path_factory):
     rows = [_row(s, r, k) for k, (s, r) in enumerate(zip(SIZES, ["Wide.", "Two of them."]))]
     examples, report = tokenize_rows([*rows, text], tok, max_tokens=512, images=side)
     assert report.kept == 3
-    counts = [n for ex in examples if isinstance(ex, ImageExample) for n in ex.image_tokens]
-    assert len(set(counts)) == 3  # three grids
+    grids = [tuple(g) for ex in examples[:2] for g in ex.images["image_grid_thw"].tolist()]
+    assert len(set(grids)) == 3  # three grids
     return kind, folder, tok, side, examples
 
 
@@ -101,6 +102,12 @@ def test_loss_lora_grads_packing_and_peft_logits_equal_transformers(vlm, tmp_pat
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         flat = {k: v for k, v in images.items() if k != MROPE_FIELD}  # 1-D positions
         assert (ours(b.input_ids, b.seq, images=flat) - packed).abs().max() > 1e-3
+        tower = ours.model.visual
+        feats, deepstack = tower(images["pixel_values"], images)
+        assert len(deepstack) == (2 if kind == "qwen3_vl" else 0)
+        if deepstack:  # without the deepstack rows the logits differ
+            tower.forward = lambda pixels, images: (feats, [])
+            assert (ours(b.input_ids, b.seq, images=images) - packed).abs().max() > 1e-3
 
 
 def test_no_host_sync_in_a_lora_step_with_the_towers_output_given(vlm):

@@ -258,9 +258,15 @@ def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state
         return
     folder, names = _source_names(model)
-    # The source's layout (ties: the last, transformers' save layout).
+    # The source's layout (ties: the last, transformers' save layout): a name counts for a
+    # layout that reads it as `our_name` does (Qwen-VL's older layout's `model.` prefix also
+    # matches the module tree's `model.language_model.` names, which it reads wrongly).
     layouts = weights.layouts
-    counts = [sum(from_hf_name(n, (lay,)) is not None for n in names) for lay in layouts]
+    ours = [from_hf_name(n, layouts) for n in names]
+    counts = [
+        sum(o is not None and from_hf_name(n, (lay,)) == o for n, o in zip(names, ours))
+        for lay in layouts
+    ]
     layout = layouts[max(reversed(range(len(layouts))), key=counts.__getitem__)]
     others = [n for n in names if weights.is_passthrough(n)]
     if any(".weight." in n for n in others):  # bitsandbytes pieces: weight.absmax, ...

@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "qwen2_5_vl",  # Qwen2_5_VLForConditionalGeneration: tower + language model
     "phi3": "phi3",
     "qwen3": "qwen3",
+    "qwen3_vl": "qwen3_vl",  # Qwen3VLForConditionalGeneration: tower + language model
     "qwen3_moe": "qwen3_moe",
     "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",

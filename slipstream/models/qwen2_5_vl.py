@@ -9,42 +9,25 @@ config.json: the language model's keys in `text_config` (transformers 5) or at t
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from slipstream.models import qwen2
 from slipstream.models.common import ModelConfig
 from slipstream.models.qwen_vl import (
-    ImageTextBackbone,
     ImageTextLM,
     QwenVLWeights,
-    mrope_section,
-    text_config,
-    vision_tower,
+    build_image_text,
+    image_text_config,
 )
 from slipstream.models.spec import FamilySpec
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The language model's config (windows checked); `hf` kept whole (export writes it)."""
-    if not isinstance(hf.get("vision_config"), dict):
-        raise ValueError(
-            f"config.json: model_type {hf.get('model_type')!r} needs a vision_config; re-save "
-            "the checkpoint with transformers."
-        )
-    text = text_config(hf)
-    mrope_section(text)  # a missing section fails at load, not at build
-    cfg = qwen2.config_from_hf({**text, "model_type": hf["model_type"]})
-    return dataclasses.replace(cfg, hf=dict(hf))
+    return image_text_config(hf, qwen2)
 
 
 def build(cfg: ModelConfig) -> ImageTextLM:
-    text = text_config(cfg.hf)
-    windows = qwen2.layer_windows(dataclasses.replace(cfg, hf=text))
-    layers = qwen2.decoder_layers(cfg, windows)
-    visual = vision_tower(cfg.hf)
-    backbone = ImageTextBackbone(cfg, layers, visual, mrope_section(text), interleaved=False)
-    return ImageTextLM(cfg, backbone)
+    return build_image_text(cfg, qwen2, interleaved=False)
 
 
 weights = QwenVLWeights

@@ -34,16 +34,20 @@ def attention(cfg: ModelConfig, window: int | None) -> Attention:
     return Attention(cfg, window, q_norm=q_norm, k_norm=k_norm)
 
 
-def build(cfg: ModelConfig) -> CausalLM:
-    layers = [
+def decoder_layers(cfg: ModelConfig, windows: list[int | None]) -> list[DecoderLayer]:
+    """The Qwen3 decoder layers (also Qwen3-VL's language model: models/qwen3_vl.py)."""
+    return [
         DecoderLayer(
             cfg,
             attention(cfg, window),
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias),
         )
-        for window in layer_windows(cfg)
+        for window in windows
     ]
-    return CausalLM(cfg, Backbone(cfg, layers))
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    return CausalLM(cfg, Backbone(cfg, decoder_layers(cfg, layer_windows(cfg))))
 
 
 weights = WeightMap  # checkpoint names are Hugging Face's: the identity map

@@ -27,6 +27,7 @@ Shapes: T tokens (flat, packed), D hidden, P image feature rows.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -67,6 +68,32 @@ def mrope_section(text: dict[str, Any]) -> list[int]:
     if "mrope_section" not in params:
         raise ValueError("config.json: an image-text Qwen config needs rope mrope_section.")
     return list(params["mrope_section"])
+
+
+def image_text_config(hf: dict[str, Any], text_family: Any) -> ModelConfig:
+    """The language model's config by `text_family`'s `config_from_hf` (models/qwen2.py,
+    qwen3.py: windows checked) from config.json's text part; `hf` kept whole (export writes it
+    back)."""
+    if not isinstance(hf.get("vision_config"), dict):
+        raise ValueError(
+            f"config.json: model_type {hf.get('model_type')!r} needs a vision_config; re-save "
+            "the checkpoint with transformers."
+        )
+    text = text_config(hf)
+    mrope_section(text)  # a missing section fails at load, not at build
+    cfg = text_family.config_from_hf({**text, "model_type": hf["model_type"]})
+    return dataclasses.replace(cfg, hf=dict(hf))
+
+
+def build_image_text(cfg: ModelConfig, text_family: Any, interleaved: bool) -> ImageTextLM:
+    """`text_family`'s decoder layers (its `decoder_layers` and `layer_windows`, read from the
+    text part of config.json), the tower, mRoPE (`interleaved` or in blocks)."""
+    text = text_config(cfg.hf)
+    windows = text_family.layer_windows(dataclasses.replace(cfg, hf=text))
+    layers = text_family.decoder_layers(cfg, windows)
+    backbone = ImageTextBackbone(cfg, layers, vision_tower(cfg.hf), mrope_section(text),
+                                 interleaved)  # fmt: skip
+    return ImageTextLM(cfg, backbone)
 
 
 class TransformersTower(nn.Module):
