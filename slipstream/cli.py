@@ -307,14 +307,18 @@ def cmd_export_gguf(args: argparse.Namespace, default: Path | None = None) -> in
         return 0
     from slipstream.checkpoint.gguf_export import export_run_gguf, modelfile_path
 
+    notes: list[str] = []  # the mmproj of an image-text model, said after the text file
     path = export_run_gguf(
-        args.adapter_dir, args.gguf, args.out, base=args.base, force=args.force, default=default
-    )
+        args.adapter_dir, args.gguf, args.out, base=args.base, force=args.force, default=default,
+        say=notes.append,
+    )  # fmt: skip
     size = path.stat().st_size / 2**20
     print(f"slipstream: {args.gguf} GGUF written to {path} ({size:.1f} MiB)")
     print(f"slipstream: Ollama: ollama create NAME -f {modelfile_path(path)}; llama.cpp: "
           f"llama-cli -m {path}; transformers: from_pretrained('{path.parent}', "
           f"gguf_file='{path.name}')")  # fmt: skip
+    for note in notes:
+        print(f"slipstream: {note}")
     return 0
 
 

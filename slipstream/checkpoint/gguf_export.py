@@ -25,6 +25,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ from slipstream.checkpoint.gguf_arch import (
     gguf_arch,
     gguf_tensors,
     write_metadata,
+)
+from slipstream.checkpoint.gguf_mmproj import (
+    adapter_trains_vision,
+    export_mmproj,
+    image_processor_config,
+    is_image_text,
+    mmproj_path,
+    mmproj_refusal,
+    mmproj_type,
 )
 
 PURE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -382,10 +392,13 @@ __all__ = ["ARCHS", "GGUF_TYPES", "K_TYPES", "PURE_TYPES", "export_gguf", "write
 def export_run_gguf(
     source: str | os.PathLike, type: str, out: str | os.PathLike | None = None,
     base: str | None = None, force: bool = False, default: Path | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:  # fmt: skip
     """`slipstream export SRC --gguf TYPE`: a LoRA run/adapter folder (merged into its base) or
     a full-model folder, as one GGUF plus its Ollama Modelfile; by default in `SRC/gguf/`
-    (`default`: another default path, e.g. for a checkpoint's temporary folder)."""
+    (`default`: another default path, e.g. for a checkpoint's temporary folder). An
+    image-text checkpoint also gets its mmproj beside it (gguf_mmproj.py), `say` told where;
+    a type without one is refused in one line before anything is written."""
     from slipstream.checkpoint.adapter import load_adapter
     from slipstream.checkpoint.hf import load_model
     from slipstream.checkpoint.tokenizer import load_tokenizer
@@ -402,22 +415,65 @@ def export_run_gguf(
     if adapter:
         base = base or _adapter_base(src)
     model_source = base if adapter else str(src)
+    hf = _config(model_source)
+    if hf is not None and is_image_text(hf) and mmproj_refusal(hf):
+        raise ValueError(f"GGUF export: {mmproj_refusal(hf)}")  # nothing written
     kind = _model_type(model_source)
     if kind is not None:
         gguf_arch(kind)  # an unsupported family fails before loading
     default = default or src / GGUF_DIR / f"{src.resolve().name}.{t}.gguf"
     path = gguf_output(out, default, force)
     _check_writable(path)
+    mmproj = _mmproj_target(hf, src, adapter, model_source, path, t, force)
     if t in K_TYPES:
         llama_cpp_quantizer()
     has_tokenizer = any(src.glob("tokenizer*"))
     tokenizer = load_tokenizer(str(src) if has_tokenizer else model_source)
     model = load_model(model_source)
+    if hf is None:  # a hub id: its config.json is known now
+        hf = _config(getattr(model, "source", "") or "")
+        mmproj = _mmproj_target(hf, src, adapter, model.source, path, t, force)
     if adapter:
         load_adapter(model, src)
     export_gguf(model, path, t, tokenizer=tokenizer)
     write_modelfile(path)
+    if mmproj is not None:
+        export_mmproj(model.source, mmproj, t, processor_folders=(src,))
+        if say is not None:
+            size = mmproj.stat().st_size / 2**20
+            say(f"{mmproj_type(t)} mmproj written to {mmproj} ({size:.1f} MiB); llama.cpp: "
+                f"llama-mtmd-cli -m {path} --mmproj {mmproj}")  # fmt: skip
     return path
+
+
+def _mmproj_target(
+    hf: dict | None, src: Path, adapter: bool, model: str, text: Path, type: str, force: bool
+) -> Path | None:  # fmt: skip
+    """Where an image-text checkpoint's mmproj goes (None: a text model), after the checks
+    that need no weights: the type's (one line), the adapter's (one that trains the vision
+    side is refused: the base's tower is not the trained one) and the image processor's."""
+    if hf is None or not is_image_text(hf):
+        return None
+    refusal = mmproj_refusal(hf)
+    if refusal is not None:
+        raise ValueError(f"GGUF export: {refusal}")
+    if adapter and adapter_trains_vision(src):
+        raise ValueError(
+            f"GGUF export: the adapter in {src} trains the vision tower or projector, which "
+            "the mmproj export reads from the base checkpoint; export the merged model first "
+            f"(slipstream export {src} --out DIR), then DIR with --gguf."
+        )
+    image_processor_config((src, Path(model)))  # its mean and std: said before the long part
+    path = mmproj_path(text, type)
+    if path.exists() and not force:
+        raise ValueError(f"export: '{path}' exists; pass --force to replace it, or give --out")
+    return path
+
+
+def _config(source: str) -> dict | None:
+    """A local checkpoint's config.json; None for a GGUF file or a hub id."""
+    cfg = Path(source) / "config.json"
+    return json.loads(cfg.read_text()) if cfg.is_file() else None
 
 
 def _adapter_base(adapter: Path) -> str:
@@ -428,5 +484,5 @@ def _adapter_base(adapter: Path) -> str:
 
 def _model_type(source: str) -> str | None:
     """config.json's model_type; None for a GGUF or hub id (export_gguf checks after load)."""
-    cfg = Path(source) / "config.json"
-    return json.loads(cfg.read_text()).get("model_type", "") if cfg.is_file() else None
+    hf = _config(source)
+    return hf.get("model_type", "") if hf is not None else None

@@ -74,8 +74,9 @@ def _tokenizer(out: Path, tokens: list[str], placeholder: str, named: dict | Non
     return tok
 
 
-def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
-    """A saved tiny `kind` checkpoint with processor files (module docstring)."""
+def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None = None) -> Path:
+    """A saved tiny `kind` checkpoint with processor files (module docstring); `text`:
+    Gemma 3's text config overrides."""
     import transformers
 
     out = Path(out)
@@ -180,10 +181,10 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0) -> Path:
             image_processor=image, tokenizer=tok, image_seq_length=4,
             chat_template=tok.chat_template,
         )  # fmt: skip
-        text = dict(
+        text = {**dict(
             TEXT, vocab_size=len(tok), query_pre_attn_scalar=12, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"],
-        )  # fmt: skip
+        ), **(text or {})}  # fmt: skip
         config = transformers.Gemma3Config(
             text_config=text,
             vision_config=dict(VISION, image_size=28, patch_size=7),
@@ -262,3 +263,17 @@ def assert_lora_grads_match(ours, peft_model) -> None:
     for key, grad in grads.items():
         scale = theirs[key].grad.abs().max()
         torch.testing.assert_close(grad, theirs[key].grad, rtol=1e-4, atol=1e-4 * scale)
+
+
+def randomise_constant_tensors(folder: Path, seed: int = 0, scale: float = 0.2) -> None:
+    """Rewrite the checkpoint's constant tensors (norms at 1, biases and Gemma 3's projector at
+    0 as transformers initialises them) with random values, so a comparison sees them."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    state = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            state[name] = t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(state, path, metadata={"format": "pt"})
