@@ -22,6 +22,9 @@ from slipstream.checkpoint.gguf_generic import GENERIC_SPECS
 from slipstream.checkpoint.gguf_spec import GGUFSpec, text_hf
 from slipstream.models.qwen3_moe import PER_EXPERT
 
+# Our names (hf_state's, before a multimodal layout's prefixes) of a native image-text
+# family's vision side.
+VISION_SIDE = ("vision_tower.", "multi_modal_projector.", "visual.")
 # model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name).
 ARCHS = {model_type: spec.arch for model_type, spec in BY_MODEL_TYPE.items()}
 # llama.cpp's BPE pre-tokenizer names (its vocab loader refuses names it does not know) for
@@ -114,10 +117,14 @@ def extra_tensors(cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def hf_named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The language model's tensors under transformers' text-model names (no vision tower):
-    the family's weight map (models/weights.py) without a multimodal layout's prefixes."""
+    the family's weight map (models/weights.py) without a multimodal layout's prefixes. A
+    native image-text family holds its tower and projector too (Gemma 3's SigLIP): they go
+    to the mmproj file (gguf_mmproj.py), not here."""
     from slipstream.models import weight_map
 
-    yield from weight_map(model.config).hf_state(model)
+    for name, t in weight_map(model.config).hf_state(model):
+        if not name.startswith(VISION_SIDE):
+            yield name, t
 
 
 def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
