@@ -6,6 +6,7 @@ import torch
 
 from slipstream.data.packed import IGNORE_INDEX, PackedBuilder, PerSpan, target_spans
 from slipstream.objectives.grpo_data import RolloutBatch
+from slipstream.ops.packing import SeqInfo
 
 X = IGNORE_INDEX
 
@@ -71,6 +72,27 @@ def test_extra_fields_ride_through_to_in_one_copy():
     # An objective's view carries the extras too, with no collator of its own.
     view = RolloutBatch(batch, 2, 5, 5, 1.0).to("cpu")
     assert torch.equal(view.packed.fields["shard"], want["shard"]) and view.positions.numel() == 5
+
+
+def test_a_seqinfo_field_keeps_its_host_lengths_and_moves_by_its_own_copy():
+    """A SeqInfo beside the tensors (a vision tower's images, data/qwen_vit_meta.py): not in
+    the buffer; `.to()` moves it with one copy of its own, built or hand-made batch alike."""
+    b = PackedBuilder()
+    b.add([5, 6, 7], [(1, 3)])
+    b.put("features", torch.ones(2, 2))
+    b.put("patches", SeqInfo.from_lengths([4, 6]))
+    batch = b.build()
+    assert [s.name for s in batch._layout] == ["input_ids", "labels", "label_positions", "features"]
+    with HostToDevice() as copies:
+        on_meta = batch.to("meta")
+    patches = batch.fields["patches"]
+    assert sorted(copies.copied) == sorted([batch._host.numel(), batch.seq._host.numel(),
+                                           patches._host.numel()])  # fmt: skip
+    moved = on_meta.fields["patches"]
+    assert isinstance(moved, SeqInfo) and moved.lengths == (4, 6)
+    assert moved.cu_seqlens.device.type == "meta" and on_meta.fields["features"].is_meta
+    batch._host = None  # changed by hand: packed again when moved, the SeqInfo kept apart
+    assert batch.to("meta").fields["patches"].lengths == (4, 6)
 
 
 def test_builder_names_a_field_given_wrongly():

@@ -11,10 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers.models import randomise_lora_b
+from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_image, vlm_folder
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers import vision_utils
 
 import slipstream
+from slipstream.data import collate, tokenize_rows
 from slipstream.data import qwen_vit_meta as meta
+from slipstream.data.vision import ImageExample, ImageProcessing, image_inputs
 from slipstream.models.qwen_vit import QwenVisionTower
 
 GRIDS = [(1, 6, 10), (1, 4, 4), (1, 10, 6), (1, 2, 2)]  # (t, h, w) patches; window: 2 units
@@ -80,7 +86,7 @@ def test_metadata_equals_transformers(grids):
 def test_geometry_from_configs_and_bad_grid():
     qwen25 = transformers.Qwen2_5_VLVisionConfig(window_size=112, patch_size=14)
     assert meta.VitGeometry.of(qwen25) == meta.VitGeometry("window", 14, 2, window=4)
-    assert meta.VitGeometry.of(qwen25.to_dict()) == meta.VitGeometry.of(qwen25)
+    assert meta.VitGeometry.of(qwen25.to_dict(), "qwen2_5_vl") == meta.VitGeometry.of(qwen25)
     qwen3 = transformers.Qwen3VLVisionConfig(num_position_embeddings=2304)
     assert meta.VitGeometry.of(qwen3) == meta.VitGeometry("learned", 16, 2, side=48)
     with pytest.raises(ValueError, match="multiple of merge 2"):
@@ -135,3 +141,107 @@ def test_tower_forward_and_backward_make_no_host_sync(kind):
     with slipstream.count_syncs() as theirs:  # what transformers' tower makes (docs/vision.md)
         hf(pixels, grid_thw=torch.tensor(GRIDS), return_dict=True).pooler_output.sum().backward()
     assert theirs.total > 0
+
+
+# ----------------------------------------------------------------- on the generic image path
+
+
+def _row(sizes, reply, k):
+    images = [random_image(h, w, seed=h + w + k) for h, w in sizes]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Describe it."}]
+    turns = [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]
+    return {"messages": turns, "images": images}
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request, tmp_path_factory):
+    kind = request.param
+    folder = vlm_folder(tmp_path_factory.mktemp(kind), kind)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    text = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    sizes = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
+    rows = [_row(s, r, k) for k, (s, r) in enumerate(zip(sizes, ["Wide.", "Two.", "Three."]))]
+    examples, _ = tokenize_rows([*rows, text], tok, max_tokens=1024, images=side)
+    return kind, folder, tok, side, examples
+
+
+def _hf_inputs(ex, side):
+    ids = torch.tensor([ex.input_ids])
+    if not isinstance(ex, ImageExample):
+        return {"input_ids": ids}
+    return {"input_ids": ids, "mm_token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+
+
+def _generic(folder):
+    """The generic path (`auto` takes the native Qwen2.5-VL family)."""
+    return slipstream.load_model(folder, implementation="transformers")
+
+
+def _tower_lora(folder):
+    """The generic model with LoRA on every linear of the tower's blocks too (vision.tower:
+    lora; the merger stays frozen)."""
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    model = _generic(folder)
+    vision_training(model, VisionSection(tower="lora"), "lora", before_lora=True)
+    slipstream.apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    return model
+
+
+def test_generic_model_runs_our_tower_and_a_training_step_makes_no_host_sync(qwen):
+    kind, folder, _, _, examples = qwen
+    batch = collate(examples)
+    images = image_inputs(batch.fields)
+    assert images[meta.SEQ].lengths == tuple(h * w for _, h, w in images["image_grid_thw"].tolist())
+    for model in (_generic(folder), _tower_lora(folder)):
+        assert type(model.hf.model.visual) is QwenVisionTower
+        if not slipstream.peft.lora.lora_modules(model):
+            slipstream.apply_lora(model, rank=4, alpha=8)  # the default: a frozen tower
+            assert model.image_features(images).grad_fn is None  # no graph kept for it
+        moved = batch.to("cpu")
+        images = image_inputs(moved.fields)
+        with slipstream.count_syncs() as syncs:  # the whole step: tower, embedding, LM, loss
+            loss = model.loss(moved.input_ids, moved.labels, moved.seq, reduction="sum",
+                              label_positions=moved.label_positions, images=images)  # fmt: skip
+            loss.backward()
+        assert syncs.total == 0, syncs
+
+
+def test_tower_lora_loss_grads_logits_and_export_equal_transformers_and_peft(qwen, tmp_path):
+    kind, folder, tok, side, examples = qwen
+    ours = _tower_lora(folder)
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    assert "model.visual.blocks.0.attn.qkv" in wrapped
+    assert not [n for n in wrapped if ".merger." in n]
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path / "adapter")
+    b = collate(examples)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=image_inputs(b.fields))  # fmt: skip
+    loss.backward()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).eval()
+    assert "model.visual.blocks.0.attn.qkv" in {
+        n.removeprefix("base_model.model.") for n, m in peft_model.named_modules()
+        if isinstance(m, LoraLayer)
+    }  # fmt: skip
+    ref = peft_summed_loss(peft_model, examples, lambda ex: _hf_inputs(ex, side))
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    assert_lora_grads_match(ours, peft_model)
+    assert [n for n, p in ours.named_parameters() if ".visual.blocks." in n and p.grad is not None]
+    ex = examples[2]  # three images of different grids
+    c = collate([ex])
+    with torch.no_grad():
+        got = ours.eval()(c.input_ids, c.seq, images=image_inputs(c.fields))
+        expected = peft_model(**_hf_inputs(ex, side)).logits[0]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    slipstream.export_merged(ours, tmp_path / "merged", tokenizer=tok)
+    back = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).eval()
+    assert type(back.model.visual) is not QwenVisionTower  # transformers' own, our weights
+    with torch.no_grad():
+        torch.testing.assert_close(back(**_hf_inputs(ex, side)).logits[0], got, rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip

@@ -96,6 +96,9 @@ def save_adapter(
     if cfg.get("target_parameters"):
         tensors.update(expert_lora_tensors(model))
     unwrapped = [name for name, *_ in linear_children(model)]
+    # peft wraps convolutions by name too: Qwen-VL's patch embedding is `patch_embed.proj`,
+    # the name of the tower's attention output linears.
+    unwrapped += [n for n, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
     tensors.update(extra_tensors or {})

@@ -12,7 +12,9 @@ Fields beside them are named, of one of three kinds, and given per sequence to `
 "token" (one value per token, (T,)), "scored" (one per scored position, (N,), in
 `label_positions` order; `PerSpan` gives one value for each span's tokens),
 "sequence" (one per sequence, (S,)); `put` adds a whole host tensor of any shape (image
-features and the positions they fill, a shard's offsets).
+features and the positions they fill, a shard's offsets), or a `SeqInfo` (the boundaries of
+another packed stream: a vision tower's images and windows, data/qwen_vit_meta.py), which
+keeps its host lengths and moves by its own one copy.
 
 Every field, the three above included, is a view of one host buffer (pinned when CUDA is
 present; each field starts on an 8-byte boundary, so any dtype can view it), and a layout of
@@ -89,7 +91,7 @@ class PackedBatch:
     seq: SeqInfo
     num_labels: int
     label_positions: torch.Tensor | None = None
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    fields: dict[str, torch.Tensor | SeqInfo] = field(default_factory=dict)
     _host: torch.Tensor | None = field(default=None, repr=False)
     _layout: tuple[Slot, ...] = field(default=(), repr=False)
 
@@ -98,21 +100,29 @@ class PackedBatch:
         return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        """The batch on `device`: one non-blocking copy of the buffer, plus the SeqInfo's."""
+        """The batch on `device`: one non-blocking copy of the buffer, plus the SeqInfos'."""
         host, layout = self._host, self._layout
+        seqs = {k: v for k, v in self.fields.items() if isinstance(v, SeqInfo)}
         if host is None:
             tensors = {"input_ids": self.input_ids.reshape(-1).long(),
                        "labels": self.labels.reshape(-1).long()}  # fmt: skip
             if self.label_positions is not None:
                 tensors["label_positions"] = self.label_positions.reshape(-1).long()
-            host, layout = pack({**tensors, **self.fields})
-        return _from_buffer(to_device(host, device), layout, self.seq.to(device), self.num_labels)
+            fields = {k: v for k, v in self.fields.items() if k not in seqs}
+            host, layout = pack({**tensors, **fields})
+        moved = {k: v.to(device) for k, v in seqs.items()}
+        return _from_buffer(
+            to_device(host, device), layout, self.seq.to(device), self.num_labels, moved
+        )
 
 
-def _from_buffer(buffer: torch.Tensor, layout, seq: SeqInfo, num_labels: int) -> PackedBatch:
+def _from_buffer(
+    buffer: torch.Tensor, layout, seq: SeqInfo, num_labels: int, seqs: Mapping | None = None
+) -> PackedBatch:
     v = views(buffer, layout)
     ids, labels, positions = v.pop("input_ids"), v.pop("labels"), v.pop("label_positions", None)
-    return PackedBatch(ids, labels, seq, num_labels, positions, v, buffer, tuple(layout))
+    fields = {**v, **(seqs or {})}
+    return PackedBatch(ids, labels, seq, num_labels, positions, fields, buffer, tuple(layout))
 
 
 class PerSpan(tuple):
@@ -166,8 +176,8 @@ class PackedBuilder:
             self.values[name].extend(value)
         return num_scored
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        """A whole host tensor as a field of the batch (any shape and dtype)."""
+    def put(self, name: str, tensor: torch.Tensor | SeqInfo) -> None:
+        """A whole host tensor as a field of the batch (any shape and dtype), or a SeqInfo."""
         if name in self.kinds or name in ("input_ids", "labels", "label_positions"):
             raise ValueError(f"put: {name!r} is already a field of this batch")
         self.whole[name] = tensor
@@ -183,8 +193,11 @@ class PackedBuilder:
         }
         for name, (_, dtype) in self.kinds.items():
             tensors[name] = torch.tensor(self.values[name], dtype=dtype)
-        buffer, layout = pack({**tensors, **self.whole})
-        return _from_buffer(buffer, layout, SeqInfo.from_lengths(self.lengths), len(self.positions))
+        seqs = {k: v for k, v in self.whole.items() if isinstance(v, SeqInfo)}
+        whole = {k: v for k, v in self.whole.items() if k not in seqs}
+        buffer, layout = pack({**tensors, **whole})
+        seq = SeqInfo.from_lengths(self.lengths)
+        return _from_buffer(buffer, layout, seq, len(self.positions), seqs)
 
 
 def target_spans(trainable: Sequence[bool]) -> list[tuple[int, int]]:

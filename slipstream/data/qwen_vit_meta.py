@@ -46,8 +46,33 @@ KEYS = (SEQ, WINDOW_SEQ, ROTARY_POSITIONS, WINDOW_INDEX, WINDOW_REVERSE, INTERP_
         INTERP_WEIGHT)  # fmt: skip
 SEQ_KEYS = (SEQ, WINDOW_SEQ)  # SeqInfo entries (moved by their own `.to`), the rest tensors
 
-# The model types whose tower is models/qwen_vit.py (their image inputs carry these keys).
-VIT_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# The model types whose tower is models/qwen_vit.py (their image inputs carry these keys),
+# with transformers' vision config class of each (a config.json dict is read through it, so
+# its defaults apply).
+CONFIG_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLVisionConfig", "qwen3_vl": "Qwen3VLVisionConfig",
+    "qwen3_5": "models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig",
+    "qwen3_5_moe": "models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig",
+}  # fmt: skip
+VIT_TYPES = tuple(CONFIG_CLASSES)
+
+
+def vision_config(vision: Any, model_type: str | None = None) -> Any:
+    """transformers' vision config object of `vision` (an object: itself; a config.json
+    `vision_config` dict: through the class of `model_type`, the checkpoint's type)."""
+    if not isinstance(vision, dict):
+        return vision
+    import importlib
+
+    import transformers
+
+    name = CONFIG_CLASSES.get(model_type or "")
+    if name is None:
+        raise ValueError(f"model_type {model_type!r}: slipstream's Qwen-VL tower takes "
+                         f"{sorted(CONFIG_CLASSES)}")  # fmt: skip
+    module, _, cls = name.rpartition(".")
+    owner = importlib.import_module(f"transformers.{module}") if module else transformers
+    return getattr(owner, cls)(**vision)
 
 
 @dataclass(frozen=True)
@@ -63,12 +88,14 @@ class VitGeometry:
     side: int = 0
 
     @classmethod
-    def of(cls, vision: Any) -> VitGeometry:
-        """From a vision config (transformers' object, or config.json's `vision_config`)."""
-        get = vision.get if isinstance(vision, dict) else lambda k, d=None: getattr(vision, k, d)
-        patch, merge = get("patch_size", 14), get("spatial_merge_size", 2)
+    def of(cls, vision: Any, model_type: str | None = None) -> VitGeometry:
+        """From a vision config (transformers' object, or config.json's `vision_config` dict
+        with the checkpoint's `model_type`: `vision_config`)."""
+        vision = vision_config(vision, model_type)
+        get = lambda k: getattr(vision, k, None)  # noqa: E731
+        patch, merge = get("patch_size"), get("spatial_merge_size")
         if get("fullatt_block_indexes") is not None:
-            return cls("window", patch, merge, window=get("window_size", 112) // merge // patch)
+            return cls("window", patch, merge, window=get("window_size") // merge // patch)
         if get("num_position_embeddings") is not None:
             return cls("learned", patch, merge, side=int(get("num_position_embeddings") ** 0.5))
         raise ValueError(

@@ -15,7 +15,8 @@ image sequence are never targets.
 `ImageExample` holds per image its model inputs (`pixel_values` and the model's extras:
 `image_grid_thw`, `image_sizes`), concatenated over the example's images along dim 0, and
 the id of the token whose rows receive the image features; the collator (data/collate.py)
-concatenates them over the batch and builds the rows those features fill on the host.
+concatenates them over the batch and builds the rows those features fill on the host, and,
+for Qwen-VL's tower, its metadata (data/qwen_vit_meta.py) over the batch's image grids.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 from slipstream.data.images import vision_messages
 from slipstream.data.labels import Example, encode_chat
 from slipstream.data.mrope import mrope_positions
+from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
+from slipstream.data.qwen_vit_meta import VIT_TYPES, VitGeometry, vit_metadata
 from slipstream.data.rows import RowError
 from slipstream.sources import is_hub_id
 
@@ -60,6 +63,7 @@ class ImageExample(Example):
     image_tokens: list[int] = field(default_factory=list)
     positions_3d: list[list[int]] | None = None  # Qwen-VL's mRoPE positions (data/mrope.py)
     bidirectional: bool = False  # each image's rows see one another (BIDIRECTIONAL_TYPES)
+    vit: VitGeometry | None = None  # Qwen-VL's tower: its metadata built at packing
 
     def feature_rows(self) -> list[int]:
         """The token positions that receive image features, in order (host scan)."""
@@ -169,6 +173,9 @@ class ImageProcessing:
         if token is None:
             raise ValueError(f"model.path {folder}: config.json has no image_token_id")
         self.image_token_id = int(token)
+        self.vit = None  # Qwen-VL: the geometry its tower's host-built metadata depends on
+        if self.model_type in VIT_TYPES:
+            self.vit = VitGeometry.of(config.get("vision_config") or {}, self.model_type)
         self.added_ids = set(tokenizer.get_added_vocab().values())
         self._sequence_ids: dict[str, list[int]] = {}  # replacement text -> its ids
 
@@ -246,7 +253,7 @@ class ImageProcessing:
         ids = list(ids)
         return ImageExample(
             ids, trainable, inputs, self.image_token_id, sizes, counts, positions,
-            bidirectional=self.model_type in BIDIRECTIONAL_TYPES,
+            bidirectional=self.model_type in BIDIRECTIONAL_TYPES, vit=self.vit,
         )  # fmt: skip
 
     def _expander(self, replacements: list[str]) -> Callable[[str], str]:
@@ -296,14 +303,18 @@ def _config_json(folder: str, name: str = "config.json") -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, torch.Tensor]:
+def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, Any]:
     """The image inputs of packed examples ((first token's position, example) each): every
     model input concatenated in order, and `image_rows` (P,) int64, the packed positions
-    their features fill (a host scan: the model never looks for placeholder ids)."""
+    their features fill (a host scan: the model never looks for placeholder ids); Qwen-VL's
+    tower metadata over all the images (data/qwen_vit_meta.py: tensors and SeqInfos)."""
     rows = [start + t for start, ex in examples for t in ex.feature_rows()]
-    out = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
+    out: dict[str, Any] = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
     for name in examples[0][1].images:
         out[name] = cat_images([ex.images[name] for _, ex in examples])
+    geometry = examples[0][1].vit
+    if geometry is not None:  # host tensors from the image processor
+        out.update(vit_metadata(out["image_grid_thw"].tolist(), geometry))
     return out
 
 
@@ -347,9 +358,10 @@ def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:
         builder.put(name, tensor)
 
 
-def image_inputs(fields: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """A batch's image inputs (`image_rows` and the model inputs), or None without images."""
+def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A batch's image inputs (`image_rows`, the model inputs, Qwen-VL's tower metadata),
+    or None without images."""
     if "image_rows" not in fields:
         return None
-    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS)
+    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS, *VIT_KEYS)
     return {k: v for k, v in fields.items() if k in names}

@@ -182,8 +182,9 @@ def _prefill(model, cache: KVCache, prompts, lm_head, device, images=None) -> to
         h_TD = model.hidden_states(ids_T, seq)
     else:
         seq.image_spans = images.get(SPANS_KEY, ())  # host ints (Gemma 3's images)
-        images = {k: v.to(device, non_blocking=True) for k, v in images.items()
-                  if k not in HOST_KEYS}  # fmt: skip
+        # Tensors in one non-blocking copy each; SeqInfos (Qwen-VL's tower) by their own.
+        images = {k: v.to(device) if isinstance(v, SeqInfo) else v.to(device, non_blocking=True)
+                  for k, v in images.items() if k not in HOST_KEYS}  # fmt: skip
         h_TD = model.hidden_states(ids_T, seq, images=images)
     step_kv.finish()
     last_N = seq.cu_seqlens[1:].long() - 1

@@ -3,11 +3,13 @@
 
 The language model is transformers' own (packed through our attention function, as any
 generic model); the vision tower and projector run transformers' code too, with their own
-attention ("sdpa": images are not packed sequences). One micro-batch runs the tower once over
-all its images (`get_image_features`), and the features are written into the packed rows the
-collator found on the host (`images["image_rows"]`, data/vision.py) by `index_copy`: no
-`input_ids == image_token_id` on the device, no boolean mask, no host sync. A frozen tower
-(its parameters and the pixels need no grad) records no autograd state.
+attention ("sdpa"), except Qwen-VL's (`VIT_TYPES`): slipstream's tower (models/qwen_vit.py)
+takes `model.visual`'s place around the same parameters and runs over the collator's
+host-built metadata, the images packed by their own lengths. One micro-batch runs the tower
+once over all its images (`get_image_features`), and the features are written into the
+packed rows the collator found on the host (`images["image_rows"]`, data/vision.py) by
+`index_copy`: no `input_ids == image_token_id` on the device, no boolean mask, no host sync.
+A frozen tower (its parameters and the pixels need no grad) records no autograd state.
 
 Shapes: T tokens (flat, packed), D hidden, P image feature rows.
 """
@@ -19,8 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
+from slipstream.data.qwen_vit_meta import VIT_TYPES
 from slipstream.models import generic
 from slipstream.models.generic import GenericCausalLM, config_from_hf
+from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
 
@@ -49,6 +54,10 @@ class GenericImageTextLM(GenericCausalLM):
 
     def __init__(self, cfg: Any, hf_model: nn.Module) -> None:
         super().__init__(cfg, hf_model)
+        inner = getattr(hf_model, "model", None)
+        self.qwen_vit = cfg.model_type in VIT_TYPES and hasattr(inner, "visual")
+        if self.qwen_vit:  # slipstream's tower around transformers' parameters, same names
+            inner.visual = QwenVisionTower.adopt(inner.visual)
         self.vision = vision_prefixes(hf_model)
         # LoRA stays off the vision side unless vision.train asks (train/vision.py).
         self.no_lora_prefixes = tuple(f"{p}." for p in self.vision.values())
@@ -103,9 +112,18 @@ class GenericImageTextLM(GenericCausalLM):
         """(P, D): the tower and projector over every image of the batch, in order."""
         return self._image_features(images)[0]
 
-    def _image_features(self, images: dict[str, torch.Tensor]):
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        if self.qwen_vit:
+            self.hf.model.visual.reset_buffers()
+
+    def _image_features(self, images: dict[str, Any]):
         """((P, D) features, [(P, D)] deepstack features per early layer, or [])."""
-        kwargs = {k: v for k, v in images.items() if k not in ("image_rows", MROPE_FIELD)}
+        if self.qwen_vit:  # slipstream's tower over the host-built metadata (no sync)
+            tower = self.hf.model.visual
+            return tower(images["pixel_values"].to(tower.dtype), images)
+        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS)  # slipstream's entries, not the model's
+        kwargs = {k: v for k, v in images.items() if k not in ours}
         pixels = kwargs.pop("pixel_values")
         if self.config.model_type in CROPS:  # every crop its own "batch row" of one image
             pixels = pixels[:, None]

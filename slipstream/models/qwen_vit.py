@@ -36,6 +36,8 @@ from slipstream.data.qwen_vit_meta import (
     WINDOW_REVERSE,
     WINDOW_SEQ,
     VitGeometry,
+    vision_config,
+    vit_metadata,
 )
 from slipstream.models.common import RMSNorm
 from slipstream.ops.attention import attend
@@ -46,32 +48,6 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
-# transformers' vision config class of each model type (a config.json dict is read through it,
-# so its defaults apply).
-CONFIG_CLASSES = {
-    "qwen2_5_vl": "Qwen2_5_VLVisionConfig", "qwen3_vl": "Qwen3VLVisionConfig",
-    "qwen3_vl_moe": "Qwen3VLMoeVisionConfig",
-    "qwen3_5": "models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig",
-    "qwen3_5_moe": "models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig",
-}  # fmt: skip
-
-
-def vision_config(vision: Any, model_type: str | None = None) -> Any:
-    """transformers' vision config object of `vision` (an object: itself; a config.json
-    `vision_config` dict: through the class of `model_type`, the checkpoint's type)."""
-    if not isinstance(vision, dict):
-        return vision
-    import importlib
-
-    import transformers
-
-    name = CONFIG_CLASSES.get(model_type or "")
-    if name is None:
-        raise ValueError(f"model_type {model_type!r}: slipstream's Qwen-VL tower takes "
-                         f"{sorted(CONFIG_CLASSES)}")  # fmt: skip
-    module, _, cls = name.rpartition(".")
-    owner = importlib.import_module(f"transformers.{module}") if module else transformers
-    return getattr(owner, cls)(**vision)
 
 
 class PatchEmbed(nn.Module):
@@ -213,10 +189,10 @@ class QwenVisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg, windowed) for _ in range(cfg.depth))
         self.merger = WindowMerger(cfg) if windowed else Merger(cfg)
         self.full_blocks = set(cfg.fullatt_block_indexes) if windowed else set(range(cfg.depth))
-        self.deepstack_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or ())
-        if self.deepstack_indexes:
+        self.deepstack_visual_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or ())
+        if self.deepstack_visual_indexes:
             self.deepstack_merger_list = nn.ModuleList(
-                Merger(cfg, after_shuffle=True) for _ in self.deepstack_indexes
+                Merger(cfg, after_shuffle=True) for _ in self.deepstack_visual_indexes
             )
 
     @classmethod
@@ -237,14 +213,30 @@ class QwenVisionTower(nn.Module):
             assert p.shape == ours[name].shape, (name, p.shape, ours[name].shape)
             owner, _, leaf = name.rpartition(".")
             setattr(tower.get_submodule(owner), leaf, p)
-        device = tower.patch_embed.proj.weight.device
-        tower.rotary_pos_emb.inv_freq = inv_freq(tower.head_dim, tower.theta, device)
+        tower.reset_buffers()
         return tower.train(hf_visual.training)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.geometry.merge
+
+    def reset_buffers(self) -> None:
+        """The rotary frequencies, recomputed (after a build on the meta device)."""
+        device = self.patch_embed.proj.weight.device
+        self.rotary_pos_emb.inv_freq = inv_freq(self.head_dim, self.theta, device)
+
     def forward(
-        self, pixel_values: torch.Tensor, images: dict[str, Any]
+        self, pixel_values: torch.Tensor, images: dict[str, Any] | None = None, **hf_kwargs: Any
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """-> ((U, Do) features of every image in order, [(U, Do)] deepstack features)."""
+        """-> ((U, Do) features of every image in order, [(U, Do)] deepstack features).
+        Without `images`: transformers' own call (`visual(pixels, grid_thw=...)`, from its
+        `get_image_features`, e.g. in its `generate`), answered as transformers' tower does."""
+        if images is None:
+            return self._transformers_call(pixel_values, hf_kwargs["grid_thw"])
         x_ND = self.patch_embed(pixel_values)
         if hasattr(self, "pos_embed"):  # the learned table, resampled by host-built taps
             taps = self.pos_embed(images[INTERP_INDEX]) * images[INTERP_WEIGHT][:, :, None]
@@ -258,10 +250,28 @@ class QwenVisionTower(nn.Module):
         deepstack = []
         for i, block in enumerate(self.blocks):
             x_ND = block(x_ND, full if i in self.full_blocks else windows, cos_sin)
-            if i in self.deepstack_indexes:
-                merger = self.deepstack_merger_list[self.deepstack_indexes.index(i)]
+            if i in self.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(x_ND))
         feats_UD = self.merger(x_ND)
         if windows is not None:
             feats_UD = feats_UD.index_select(0, images[WINDOW_REVERSE])
         return feats_UD, deepstack
+
+    def _transformers_call(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """transformers' output object for its own callers: the metadata built from
+        `grid_thw` read back to the host (one sync: transformers' path, not slipstream's)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        device = pixel_values.device
+        host = vit_metadata(grid_thw.tolist(), self.geometry)
+        feats, deepstack = self(pixel_values, {k: v.to(device) for k, v in host.items()})
+        if not self.deepstack_visual_indexes:
+            return BaseModelOutputWithPooling(pooler_output=feats)
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+            BaseModelOutputWithDeepstackFeatures,
+        )
+
+        return BaseModelOutputWithDeepstackFeatures(
+            pooler_output=feats, deepstack_features=deepstack
+        )
