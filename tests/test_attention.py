@@ -187,6 +187,19 @@ def test_seqinfo_bad_lengths(lengths, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_non_causal_attend_matches_cpu(dtype):
+    """bf16: varlen with window (-1, -1); float32: one SDPA call per sequence (no flex)."""
+    q, k, v = _qkv(sum(LENGTHS), H=4, G=2, Dh=64)
+    ref = attend(q, k, v, SeqInfo.from_lengths(LENGTHS), causal=False)
+    cuda = [x.detach().cuda().to(dtype) for x in (q, k, v)]
+    out = attend(*cuda, SeqInfo.from_lengths(LENGTHS, device="cuda"), causal=False)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float().cpu(), ref.detach(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("use_sinks", [False, True])
 def test_cuda_attend_matches_cpu(window, use_sinks):

@@ -143,6 +143,37 @@ def test_tower_forward_and_backward_make_no_host_sync(kind):
     assert theirs.total > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_tower_matches_cpu_without_a_sync(kind, dtype):
+    """On CUDA: bf16 takes varlen attention (non-causal), float32 one SDPA call per image or
+    window; both against the CPU float32 tower, forward and the pixels' gradient, no sync."""
+    import copy
+
+    hf = _hf_tower(kind)
+    ours = QwenVisionTower.adopt(hf)
+    pixels = _pixels(hf.config, GRIDS).requires_grad_()
+    images = meta.vit_metadata(GRIDS, ours.geometry)
+    ref, ref_deep = ours(pixels, images)
+    (ref_grad,) = torch.autograd.grad(ref.sum() + sum(d.sum() for d in ref_deep), pixels)
+    cuda = QwenVisionTower.adopt(copy.deepcopy(hf).to("cuda", dtype))
+    moved = {k: v.to("cuda") for k, v in images.items()}
+    on_cuda = pixels.detach().to("cuda", dtype).requires_grad_()
+    with slipstream.count_syncs() as syncs:
+        feats, deepstack = cuda(on_cuda, moved)
+        (feats.float().sum() + sum(d.float().sum() for d in deepstack)).backward()
+    assert syncs.total == 0, syncs
+    loose = dtype == torch.bfloat16  # 3 blocks of wide random weights in bf16
+    for got, want in ((feats, ref), *zip(deepstack, ref_deep), (on_cuda.grad, ref_grad)):
+        scale = want.abs().max().item()
+        tol = (
+            {"rtol": 5e-2, "atol": 5e-2 * scale} if loose else {"rtol": 1e-4, "atol": 1e-5 * scale}
+        )
+        torch.testing.assert_close(got.float().cpu(), want.detach(), **tol)
+
+
 # ----------------------------------------------------------------- on the generic image path
 
 
