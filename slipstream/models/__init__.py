@@ -48,7 +48,7 @@ IMAGE_TEXT_REFERENCE = ("gemma3",)
 # image-text path: `implementation: transformers` (and `auto` with image rows: train/setup.py,
 # generation/commands.py) takes it. Gemma 3's native family trains its image side
 # (models/gemma3.py, siglip.py).
-IMAGE_TEXT_ON_GENERIC: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
+IMAGE_TEXT_ON_GENERIC: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe", "gemma4")
 
 
 def choose_family(

@@ -39,6 +39,10 @@ GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
     "eoi_token": "<end_of_image>",
 }  # fmt: skip
+# Gemma 4's begin-of-image, image (what the template prints), end-of-image, video and audio
+# tokens (test stand-ins; config.json names them by id).
+GEMMA4_TOKENS = ["<|image>", "<|image|>", "<image|>", "<|video|>", "<|audio|>", "<|audio>",
+                 "<audio|>"]  # fmt: skip
 IDEFICS3_TOKENS = [
     "<image>", "<fake_token_around_image>", "<global-img>",
     *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
@@ -193,6 +197,25 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None 
             eoi_token_index=tok.eoi_token_id,
             image_token_index=tok.image_token_id,
         )
+    elif kind == "gemma4":  # patches of each image's own grid, pooled 3x3; Gemma4Processor
+        # builds a video processor (torchvision): the image processor alone is saved.
+        tok = _tokenizer(out, GEMMA4_TOKENS, GEMMA4_TOKENS[1])
+        processor = transformers.Gemma4ImageProcessorPil(
+            patch_size=4, max_soft_tokens=70, pooling_kernel_size=3
+        )
+        from helpers.tiny_hf import gemma4_text
+
+        text = {**TEXT, **gemma4_text(2), "vocab_size": len(tok),
+                "vocab_size_per_layer_input": len(tok), "use_bidirectional_attention": "vision",
+                "pad_token_id": 0}  # fmt: skip
+        vision = dict(
+            VISION, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3,
+            position_embedding_size=256,
+        )  # fmt: skip
+        ids = dict(zip(("boi_token_id", "image_token_id", "eoi_token_id", "video_token_id",
+                        "audio_token_id", "boa_token_id", "eoa_token_index"),
+                       tok.convert_tokens_to_ids(GEMMA4_TOKENS)))  # fmt: skip
+        config = transformers.Gemma4Config(text_config=text, vision_config=vision, **ids)
     elif kind == "idefics3":  # images split into crops + a global view, 4 tokens each
         tok = _tokenizer(out, IDEFICS3_TOKENS, "<image>")
         image = transformers.Idefics3ImageProcessor(
