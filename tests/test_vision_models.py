@@ -4,6 +4,9 @@ tests/helpers/tiny_vlm.py):
 
 - Qwen3-VL (`qwen3_vl`): 3-D mRoPE from the host, and deepstack: the tower's intermediate
   features added to the image rows after the first decoder layers (forward hooks, index_add);
+  Qwen3.5 and Qwen3.5-MoE (`qwen3_5`, `qwen3_5_moe`): the same positions, Gated DeltaNet layers
+  run per packed sequence, generation on transformers' `generate` (all three with
+  `model.implementation: transformers`: the references of tests/test_vision_native_qwen.py);
 - Gemma 3 (`gemma3` with `model.implementation: transformers`, the reference path; its native
   family: tests/test_vision_native_gemma.py): each image's rows attend to one another
   (SeqInfo.image_spans), causal elsewhere, on sliding and full layers;
@@ -36,9 +39,9 @@ from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, i
 KINDS = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "idefics3", "smolvlm"]
 QWEN35 = ("qwen3_5", "qwen3_5_moe")
 NO_PROCESSOR = ("qwen3_vl", *QWEN35, "gemma4", "smolvlm")  # processors need torchvision here
-# Loaded with `implementation: transformers`: Qwen3-VL and Gemma 3 as the references for their
-# native image families (tests/test_vision_native_qwen.py, test_vision_native_gemma.py),
-# Qwen3.5 and Gemma 4 whose native families are text only.
+# Loaded with `implementation: transformers`: Qwen3-VL, Qwen3.5 and Gemma 3 as the references
+# for their native image families (tests/test_vision_native_qwen.py,
+# test_vision_native_gemma.py), Gemma 4 whose native family is text only.
 ON_GENERIC = ("qwen3_vl", "gemma3", *QWEN35, "gemma4")
 SIZES = [[(50, 90)], [(100, 60), (30, 30)], [(9, 70), (40, 40), (64, 32)]]
 
@@ -273,7 +276,7 @@ def _prompt_inputs(kind, folder, tok, side, messages):
     return inputs
 
 
-@pytest.mark.parametrize("vlm", ["qwen3_5", "gemma4"], indirect=True)
+@pytest.mark.parametrize("vlm", ["gemma4"], indirect=True)
 def test_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
     from slipstream.config import load_config
     from slipstream.train.setup import image_implementation

@@ -272,16 +272,13 @@ def assert_lora_grads_match(ours, peft_model) -> None:
     """Every trained tensor's gradient equals peft's (1e-4 of its largest entry: float32);
     stacked expert factors compared in peft's layout (helpers.peft_grads)."""
     from helpers.peft_grads import lora_grads
-    from slipstream.models.weights import to_hf_name
-    from slipstream.peft.names import PEFT_PREFIX, model_layout
+    from slipstream.peft.names import adapter_key, model_layout, peft_path
 
     theirs = {n.replace(".default", ""): p for n, p in peft_model.named_parameters()}
-    grads = lora_grads(ours)
+    grads = lora_grads(ours)  # peft's keys (a native family's names mapped to its tree)
+    layout = model_layout(ours)
     trained = [n for n, p in ours.named_parameters() if p.requires_grad and "lora_" not in n]
-    grads.update({f"{PEFT_PREFIX}{n}": ours.get_parameter(n).grad for n in trained})
-    layout = model_layout(ours)  # a native family's names -> transformers' module tree
-    grads = {PEFT_PREFIX + to_hf_name(k.removeprefix(PEFT_PREFIX), layout): g
-             for k, g in grads.items()}  # fmt: skip
+    grads.update({adapter_key(peft_path(n, layout)): ours.get_parameter(n).grad for n in trained})
     assert grads and set(grads) == {n for n, p in theirs.items() if p.requires_grad}
     for key, grad in grads.items():
         scale = theirs[key].grad.abs().max()
