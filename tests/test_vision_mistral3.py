@@ -14,7 +14,7 @@ from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_i
 from peft import PeftModel
 
 import slipstream
-from slipstream.data import collate, tokenize_rows
+from slipstream.data import collate, pixtral_meta, tokenize_rows
 from slipstream.data.vision import ImageProcessing, image_inputs
 
 SIZES = [[(40, 60)], [(20, 30), (56, 14)], [(33, 33)]]
@@ -87,3 +87,76 @@ def test_loss_and_lora_grads_equal_transformers_and_packed_equals_separate(mistr
         alone = [ours(collate([ex]).input_ids, collate([ex]).seq,
                       images=image_inputs(collate([ex]).fields)) for ex in examples]  # fmt: skip
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+
+
+def _tower_lora(folder):
+    """LoRA on the language model and every linear of the Pixtral tower (vision.tower: lora)."""
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    model = slipstream.load_model(folder)
+    vision_training(model, VisionSection(tower="lora"), "lora", before_lora=True)
+    slipstream.apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    return model
+
+
+def test_a_whole_training_step_makes_no_host_sync_and_the_tower_sees_no_padding(mistral3):
+    """slipstream's Pixtral pass (models/pixtral_tower.py): the batch carries each image's
+    valid patches, not the padded pixels, and tower, projector, language model, loss and
+    backward read no device value on the host (transformers' tower: 11 over two images)."""
+    folder, _, _, examples = mistral3
+    batch = collate(examples).to("cpu")
+    images = image_inputs(batch.fields)
+    assert "pixel_values" not in images
+    sizes = [s for ex in examples for s in ex.sizes]
+    assert images[pixtral_meta.SEQ].lengths == tuple((h // 7) * (w // 7) for h, w in sizes)
+    for model in (slipstream.load_model(folder), _tower_lora(folder)):
+        if not slipstream.peft.lora.lora_modules(model):
+            slipstream.apply_lora(model, rank=4, alpha=8)
+        with slipstream.count_syncs() as syncs:
+            loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum",
+                              label_positions=batch.label_positions, images=images)  # fmt: skip
+            loss.backward()
+        assert syncs.total == 0, syncs
+
+
+def test_tower_lora_loss_and_grads_equal_transformers_and_peft(mistral3, tmp_path):
+    folder, _, _, examples = mistral3
+    ours = _tower_lora(folder)
+    assert "model.vision_tower.transformer.layers.0.attention.q_proj" in set(
+        slipstream.peft.lora.lora_modules(ours)
+    )
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path)
+    b = collate(examples)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=image_inputs(b.fields))  # fmt: skip
+    loss.backward()
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
+    ref = peft_summed_loss(
+        peft_model, examples, lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.images}
+    )
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    assert_lora_grads_match(ours, peft_model)
+    assert [n for n, p in ours.named_parameters() if "vision_tower" in n and p.grad is not None]
+
+
+def test_greedy_generation_with_images_equals_transformers_generate(mistral3):
+    folder, side, _, _ = mistral3
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = slipstream.load_model(folder)
+    prompts = [
+        [{"role": "user", "content": [{"type": "image", "image": random_image(40, 60)},
+                                      {"type": "text", "text": "What is it?"}]}],
+        [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                      {"type": "image", "image": random_image(30, 20, 1)},
+                                      {"type": "image", "image": random_image(14, 56, 2)}]}],
+    ]  # fmt: skip
+    got = slipstream.generate(model, prompts, tokenizer=tok, max_new_tokens=6, stop=[])
+    hf = _hf(folder)
+    for c, messages in zip(got, prompts, strict=True):
+        ex = side.encode_prompt(messages, tok)  # our ids: PixtralProcessor needs torchvision
+        out = hf.generate(input_ids=torch.tensor([ex.input_ids]), **ex.images, max_new_tokens=6,
+                          do_sample=False)  # fmt: skip
+        expected = out[0, len(ex.input_ids) :].tolist()
+        assert c.token_ids == expected[: len(c.token_ids)] and c.token_ids

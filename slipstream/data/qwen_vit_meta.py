@@ -103,6 +103,12 @@ class VitGeometry:
             "num_position_embeddings (Qwen3-VL, Qwen3.5): not a tower slipstream knows"
         )
 
+    replaces = ()  # the tower takes the processor's patches as they are
+
+    def metadata(self, images: dict[str, Any]) -> dict[str, Any]:
+        """The metadata of a batch's concatenated image inputs (host tensors)."""
+        return vit_metadata(images["image_grid_thw"].tolist(), self)
+
 
 def vit_metadata(grids: Sequence[Sequence[int]], geo: VitGeometry) -> dict[str, Any]:
     """The tower metadata (module docstring) of images with these (t, h, w) patch grids, on

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from slipstream.data.pixtral_meta import KEYS as PIXTRAL_KEYS
+from slipstream.data.pixtral_meta import PATCHES as PIXTRAL_PATCHES
 from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
 from slipstream.data.qwen_vit_meta import VIT_TYPES
-from slipstream.models import generic
+from slipstream.models import generic, pixtral_tower
 from slipstream.models.generic import GenericCausalLM, config_from_hf
 from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.spec import FamilySpec
@@ -65,9 +67,6 @@ class GenericImageTextLM(GenericCausalLM):
         # after the first decoder layers, as transformers' `_deepstack_process` does (by a
         # boolean mask there, by `index_add` over the host-built rows here).
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        language = getattr(getattr(hf_model, "model", None), "language_model", None)
-        per_layer = getattr(getattr(language, "config", None), "hidden_size_per_layer_input", 0)
-        self._per_layer_inputs = language.get_per_layer_inputs if per_layer else None
         visual = getattr(getattr(hf_model, "model", None), "visual", None)
         depth = len(getattr(visual, "deepstack_visual_indexes", None) or ())
         if depth:
@@ -109,13 +108,6 @@ class GenericImageTextLM(GenericCausalLM):
             kwargs["position_ids"] = images[MROPE_FIELD][:, None, :]
         if images is None:
             self._deepstack = None  # a text batch (or a decode step): no deepstack rows
-        elif self._per_layer_inputs is not None:
-            # Gemma 4's per-layer inputs from the ids, image rows as the pad token as
-            # transformers does (from inputs_embeds alone it would invert the embedding:
-            # a `nonzero`, and no id at all for an image row).
-            pad, rows_P = self.config.hf["text_config"].get("pad_token_id", 0), images["image_rows"]
-            ids_T = input_ids_T.index_fill(0, rows_P, pad if pad is not None else 0)
-            kwargs["per_layer_inputs"] = self._per_layer_inputs(ids_T[None])
         return super()._backbone_out(input_ids_T, seq, images, **kwargs)
 
     def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -132,7 +124,15 @@ class GenericImageTextLM(GenericCausalLM):
         if self.qwen_vit:  # slipstream's tower over the host-built metadata (no sync)
             tower = self.hf.model.visual
             return tower(images["pixel_values"].to(tower.dtype), images)
-        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS)  # slipstream's entries, not the model's
+        if PIXTRAL_PATCHES in images:  # Mistral 3: slipstream's Pixtral pass (no sync)
+            inner, hf = self.hf.model, self.hf.config
+            feats = pixtral_tower.image_features(
+                inner.vision_tower, inner.multi_modal_projector, hf.vision_feature_layer,
+                hf.spatial_merge_size, images,
+            )  # fmt: skip
+            return feats, []
+        # slipstream's entries, not the model's
+        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS, *PIXTRAL_KEYS)
         kwargs = {k: v for k, v in images.items() if k not in ours}
         pixels = kwargs.pop("pixel_values")
         if self.config.model_type in CROPS:  # every crop its own "batch row" of one image
