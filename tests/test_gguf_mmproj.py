@@ -96,6 +96,32 @@ def test_f16_mmproj_beside_a_quantized_text_file(gemma3, tmp_path):
     assert main(["export", str(gemma3), "--gguf", "q8_0", "--out", str(out), "--force"]) == 0
 
 
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
+def test_idefics3_text_gguf_and_mmproj(kind, tmp_path):
+    folder = vlm_folder(tmp_path / kind, kind)
+    out = tmp_path / "i.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    text = gguf.GGUFReader(out)
+    assert fields(text)["general.architecture"] == "llama"  # the language model alone
+    names = {t.name for t in text.tensors}
+    assert {"token_embd.weight", "output.weight", "blk.1.attn_q.weight"} <= names
+    assert not [n for n in names if n.startswith(("v.", "mm."))]
+    reader = gguf.GGUFReader(tmp_path / "mmproj-i.f32.gguf")
+    meta = fields(reader)
+    assert meta["clip.projector_type"] == "idefics3"
+    assert meta["clip.vision.projector.scale_factor"] == 2  # config.json's scale_factor
+    assert meta["clip.vision.preproc_image_size"] == 56  # the processor's longest edge
+    assert meta["clip.vision.projection_dim"] == 32 and meta["clip.use_gelu"] is True
+    tensors = {t.name: t for t in reader.tensors}
+    fc = tensors["mm.model.fc.weight"]  # connector.modality_projection.proj: (32, 16 * 2 * 2)
+    hf = load_file(folder / "model.safetensors")
+    proj = hf["model.connector.modality_projection.proj.weight"]
+    assert fc.shape.tolist() == [64, 32]
+    assert torch.equal(torch.from_numpy(fc.data.copy()).reshape(32, 64), proj)
+    assert {"v.patch_embd.weight", "v.position_embd.weight", "v.post_ln.weight"} <= set(tensors)
+    assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
+
+
 @pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
 def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_path, capsys):
     folder = vlm_folder(tmp_path / kind, kind)
@@ -103,7 +129,8 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     assert main(["export", str(folder), "--gguf", "f16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert f"no GGUF mmproj for model_type {kind!r}" in err and "supported: gemma3" in err
+    assert f"no GGUF mmproj for model_type {kind!r}" in err
+    assert "supported: gemma3, idefics3, smolvlm." in err
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 
 
@@ -148,3 +175,17 @@ def test_lora_adapter_exports_text_and_the_bases_mmproj(gemma3, tmp_path):
     ours = {t.name: t.data for t in gguf.GGUFReader(tmp_path / "mmproj-a.f32.gguf").tensors}
     theirs = {t.name: t.data for t in gguf.GGUFReader(tmp_path / "mmproj-base.f32.gguf").tensors}
     assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
+
+
+def test_gguf_lora_of_an_idefics3_adapter_is_one_line(tmp_path, capsys):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    folder = vlm_folder(tmp_path / "idefics3", "idefics3")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(folder))
+    lora = LoraConfig(r=2, target_modules=r".*text_model.*\.q_proj")
+    get_peft_model(model, lora).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "adapter"), "--gguf-adapter"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "idefics3 adapter has no GGUF LoRA form" in err

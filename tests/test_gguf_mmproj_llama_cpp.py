@@ -1,11 +1,14 @@
-"""Our text GGUF + mmproj of an image-text checkpoint in llama.cpp itself (llama-cpp-python
+"""Our text GGUF + mmproj of image-text checkpoints in llama.cpp itself (llama-cpp-python
 built with its multimodal library, libmtmd): the image embeddings llama.cpp computes equal
-transformers' `get_image_features` on the same image, and greedy generation with the image
-equals transformers' `generate`. Skipped where llama-cpp-python or its libmtmd is missing
-(the default wheel build of the README leaves mtmd out: `-DLLAVA_BUILD=OFF`).
+transformers' `get_image_features` on the same image, and so do the logits after a prompt
+with the image and greedy generation. Skipped where llama-cpp-python or its libmtmd is
+missing (a wheel built with `-DLLAVA_BUILD=OFF`, as README's CPU-only build line, has none).
 
-The image is given at the model's own size, so both sides' resizing is the identity and the
-pixels they normalise are the same bytes.
+Preprocessing is controlled so both sides see the same pixels: Gemma 3 gets an image at the
+model's size (28x28: resizing is a copy on both sides); Idefics3 and SmolVLM one at the
+processor's longest edge (56x56), cut into four 28x28 tiles (copies) plus an overview resized
+to 28x28 (llama.cpp's Pillow-style Lanczos against Pillow's: the embeddings agree as closely
+as the tiles'). Normalisation is the image processor's mean and std, from the mmproj file.
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ try:
 except (ImportError, OSError, RuntimeError, FileNotFoundError) as e:  # no libmtmd.so
     pytest.skip(f"llama-cpp-python without libmtmd: {e}", allow_module_level=True)
 
+# Gemma 3's text model as llama.cpp runs it (1/sqrt(head_dim), its fixed layer pattern: both
+# layers sliding), with a window that lets the image reach the prompt's last token.
 GEMMA3_TEXT = dict(query_pre_attn_scalar=8, layer_types=["sliding_attention"] * 2,
                    sliding_window=16)  # fmt: skip
+KINDS = {"gemma3": 28, "idefics3": 56, "smolvlm": 56}  # the image side given (module docstring)
 PROMPT = "Look: <__media__> What is it?"
 NEW_TOKENS = 6
+WIDTH = 32  # the tiny models' text hidden size
 
 
 def _no_repack_params():
@@ -44,16 +51,18 @@ def _no_repack_params():
 _default_model_params = llama_cpp.llama_model_default_params
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A tiny Gemma 3 checkpoint, its f32 text GGUF and mmproj, llama.cpp's model, context and
-    mtmd context on them."""
-    folder = vlm_folder(tmp_path_factory.mktemp("gemma3"), "gemma3", text=GEMMA3_TEXT)
-    randomise_constant_tensors(folder)  # Gemma 3's projector starts at zero
-    text = tmp_path_factory.mktemp("gguf") / "g.f32.gguf"
+@pytest.fixture(scope="module", params=list(KINDS))
+def exported(request, tmp_path_factory):
+    """A tiny checkpoint of the type, its f32 text GGUF and mmproj, llama.cpp's model and
+    context and the mtmd context on them."""
+    kind = request.param
+    folder = tmp_path_factory.mktemp(kind)
+    vlm_folder(folder, kind, text=GEMMA3_TEXT if kind == "gemma3" else None)
+    randomise_constant_tensors(folder)  # Gemma 3's projector starts at zero, norms at one
+    text = tmp_path_factory.mktemp("gguf") / f"{kind}.f32.gguf"
     assert main(["export", str(folder), "--gguf", "f32", "--out", str(text)]) == 0
     with mock.patch("llama_cpp.llama.llama_cpp.llama_model_default_params", _no_repack_params):
-        llm = llama_cpp.Llama(model_path=str(text), n_ctx=128, n_batch=64, n_ubatch=64,
+        llm = llama_cpp.Llama(model_path=str(text), n_ctx=256, n_batch=128, n_ubatch=128,
                               logits_all=True, verbose=False, n_threads=2)  # fmt: skip
     params = mtmd.mtmd_context_params_default()
     params.use_gpu = False
@@ -62,13 +71,14 @@ def exported(tmp_path_factory):
     params.warmup = False
     ctx = mtmd.mtmd_init_from_file(str(mmproj_path(text, "f32")).encode(), llm.model, params)
     assert ctx, "llama.cpp refused the mmproj (mtmd_init_from_file returned NULL)"
-    yield folder, llm, ctx
+    yield kind, folder, llm, ctx
     mtmd.mtmd_free(ctx)
     llm.close()
 
 
-def tokenize(ctx, image) -> list:
-    """mtmd's chunks of PROMPT with `image` at the marker: [(kind, token ids | chunk)]."""
+def tokenize(ctx, image):
+    """mtmd's chunks of PROMPT with `image` at the marker: ([(kind, token ids | chunk)],
+    chunks, bitmap); the caller frees the last two."""
     rgb = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
     data = (ctypes.c_uint8 * rgb.size).from_buffer_copy(rgb.tobytes())
     bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, data)
@@ -91,87 +101,108 @@ def tokenize(ctx, image) -> list:
 
 
 def hf_model(folder):
-    model = transformers.AutoModelForImageTextToText.from_pretrained(str(folder))
-    return model.float().eval()
+    return transformers.AutoModelForImageTextToText.from_pretrained(str(folder)).float().eval()
 
 
-def hf_pixels(folder, image) -> torch.Tensor:
+def hf_pixels(folder, image) -> dict:
+    """The image processor's tensors for one image (Idefics3's tiles + overview as frames)."""
     processor = transformers.AutoImageProcessor.from_pretrained(str(folder))
-    return processor(images=[image], return_tensors="pt")["pixel_values"].float()
+    out = processor(images=[[image]], return_tensors="pt")
+    return {k: v for k, v in out.items() if k in ("pixel_values", "pixel_attention_mask")}
+
+
+def hf_features(model, pixels: dict) -> torch.Tensor:
+    """transformers' image features, every frame's rows in order: (rows, text width)."""
+    with torch.no_grad():
+        feats = model.get_image_features(**pixels)
+    feats = getattr(feats, "pooler_output", feats)
+    return (feats if torch.is_tensor(feats) else torch.cat(list(feats))).reshape(-1, WIDTH)
 
 
 def test_image_embeddings_equal_transformers(exported):
-    folder, llm, ctx = exported
-    image = random_image(28, 28, seed=3)  # the model's size: no resizing on either side
+    kind, folder, llm, ctx = exported
+    image = random_image(KINDS[kind], KINDS[kind], seed=3)
     parts, chunks, bitmap = tokenize(ctx, image)
-    (chunk,) = [c for kind, c in parts if kind == "image"]
-    n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-    assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
-    width = llm.n_embd()
-    ours = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * width,))
-    ours = torch.from_numpy(ours.copy()).reshape(n, width)
-    with torch.no_grad():
-        feats = hf_model(folder).get_image_features(pixel_values=hf_pixels(folder, image))
-    feats = getattr(feats, "pooler_output", feats)
-    theirs = (feats if torch.is_tensor(feats) else torch.cat(list(feats))).reshape(-1, width)
+    rows = []
+    for part, chunk in parts:
+        if part == "image":  # Idefics3: one chunk per tile, the overview last (as transformers)
+            n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+            assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
+            embd = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * WIDTH,))
+            rows.append(torch.from_numpy(embd.copy()).reshape(n, WIDTH))
     mtmd.mtmd_input_chunks_free(chunks)
     mtmd.mtmd_bitmap_free(bitmap)
-    assert theirs.shape == ours.shape == (4, 32)  # mm_tokens_per_image rows of the text width
+    ours = torch.cat(rows)
+    model = hf_model(folder)
+    theirs = hf_features(model, hf_pixels(folder, image))
+    assert ours.shape == theirs.shape == ((4 if kind == "gemma3" else 20), WIDTH)
     err = (ours - theirs).abs().max() / theirs.abs().max()
     assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
-    other = random_image(28, 28, seed=4)  # the comparison can fail: another image differs
-    with torch.no_grad():
-        feats2 = hf_model(folder).get_image_features(pixel_values=hf_pixels(folder, other))
-    feats2 = getattr(feats2, "pooler_output", feats2)
-    other_rows = (feats2 if torch.is_tensor(feats2) else torch.cat(list(feats2))).reshape(-1, width)
-    assert (ours - other_rows).abs().max() / theirs.abs().max() > 100 * err
+    other = hf_features(model, hf_pixels(folder, random_image(*image.size, seed=4)))
+    assert (ours - other).abs().max() / theirs.abs().max() > 100 * err  # the check can fail
 
 
 def llama_cpp_generate(llm, ctx, image, n: int) -> tuple[list, torch.Tensor, list[int]]:
-    """llama.cpp on PROMPT with `image`: mtmd's chunks as token ids (the image's rows as -n),
-    the logits after the prompt and `n` greedy tokens."""
+    """llama.cpp on PROMPT with `image`, chunk by chunk: the prompt as [token ids | -rows of an
+    image], the logits after it and `n` greedy tokens. A token mtmd could not find (-1: the
+    tiny tokenizer has no "\\n\\n", which mtmd puts before Idefics3's overview) is left out."""
     parts, chunks, bitmap = tokenize(ctx, image)
-    prompt = [p if kind == "text" else -mtmd.mtmd_input_chunk_get_n_tokens(p) for kind, p in parts]
     llm.reset()
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-    n_past = llama_cpp.llama_pos(0)
-    rc = mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, 64, True, ctypes.byref(n_past))
+    prompt, n_past = [], 0
+    for i, (part, value) in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "text":
+            ids = [t for t in value if t >= 0]
+            prompt.append(ids)
+            arr = (llama_cpp.llama_token * len(ids))(*ids)  # alive while the batch points at it
+            assert (
+                llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(arr, len(ids))) == 0
+            )
+            n_past += len(ids)
+        else:
+            prompt.append(-mtmd.mtmd_input_chunk_get_n_tokens(value))
+            new = llama_cpp.llama_pos(0)
+            rc = mtmd.mtmd_helper_eval_chunk_single(
+                ctx, llm.ctx, value, n_past, 0, 128, last, ctypes.byref(new)
+            )
+            assert rc == 0
+            n_past = new.value
     mtmd.mtmd_input_chunks_free(chunks)
     mtmd.mtmd_bitmap_free(bitmap)
-    assert rc == 0
     vocab, first, tokens = llm.n_vocab(), None, []
     for _ in range(n):
         logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         logits = torch.from_numpy(np.ctypeslib.as_array(logits, shape=(vocab,)).copy())
         first = logits if first is None else first
         tokens.append(int(logits.argmax()))
-        batch = llama_cpp.llama_batch_get_one((llama_cpp.llama_token * 1)(tokens[-1]), 1)
-        assert llama_cpp.llama_decode(llm.ctx, batch) == 0
+        arr = (llama_cpp.llama_token * 1)(tokens[-1])
+        assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(arr, 1)) == 0
     return prompt, first, tokens
 
 
-def hf_inputs(model, folder, prompt: list, image) -> dict:
-    """The same prompt for transformers: mtmd's token ids, the image's rows as image tokens
-    (token_type_ids 1: seen bidirectionally, as llama.cpp decodes an image's rows)."""
+def hf_inputs(kind, model, folder, prompt: list, image) -> dict:
+    """The same prompt for transformers: the token ids llama.cpp ran, the image's rows as image
+    tokens (Gemma 3: token_type_ids 1, seen bidirectionally as llama.cpp decodes them)."""
     ids, types = [], []
     for part in prompt:
         n = len(part) if isinstance(part, list) else -part
         ids += part if isinstance(part, list) else [model.config.image_token_id] * n
         types += [int(not isinstance(part, list))] * n
-    assert types.count(1) == 4  # mm_tokens_per_image
-    return dict(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                pixel_values=hf_pixels(folder, image))  # fmt: skip
+    extra = {"token_type_ids": torch.tensor([types])} if kind == "gemma3" else {}
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    return dict(input_ids=torch.tensor([ids]), attention_mask=mask, **extra,
+                **hf_pixels(folder, image))  # fmt: skip
 
 
 def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported):
-    folder, llm, ctx = exported
+    kind, folder, llm, ctx = exported
     model = hf_model(folder)
     firsts = []
     for seed in (5, 6):
-        image = random_image(28, 28, seed=seed)
+        image = random_image(KINDS[kind], KINDS[kind], seed=seed)
         prompt, first, got = llama_cpp_generate(llm, ctx, image, NEW_TOKENS)
-        inputs = hf_inputs(model, folder, prompt, image)
+        inputs = hf_inputs(kind, model, folder, prompt, image)
         with torch.no_grad():
             theirs = model(**inputs).logits[0, -1]
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -19,7 +19,7 @@ import torch
 
 from slipstream.checkpoint.gguf_families import BY_MODEL_TYPE
 from slipstream.checkpoint.gguf_generic import GENERIC_SPECS
-from slipstream.checkpoint.gguf_spec import GGUFSpec, text_hf
+from slipstream.checkpoint.gguf_spec import IMAGE_TEXT_LM, GGUFSpec, text_hf
 from slipstream.models.qwen3_moe import PER_EXPERT
 
 # Our names (hf_state's, before a multimodal layout's prefixes) of a native image-text
@@ -52,9 +52,12 @@ NOT_WRITTEN = {
 
 def gguf_arch(model_type: str) -> Any:
     """The gguf.MODEL_ARCH of a family (native, or built by transformers' modeling code:
-    gguf_generic.py), or a one-line error naming the supported ones."""
+    gguf_generic.py), or a one-line error naming the supported ones. An image-text type
+    whose language model exports alone (IMAGE_TEXT_LM) has its text family's: `model_arch`."""
     import gguf
 
+    if model_type in IMAGE_TEXT_LM:
+        return gguf.MODEL_ARCH[BY_MODEL_TYPE["llama"].arch]
     if model_type in NOT_WRITTEN:
         raise ValueError(f"GGUF export: model_type {model_type!r} {NOT_WRITTEN[model_type]}")
     arch = ARCHS.get(model_type) or getattr(GENERIC_SPECS.get(model_type), "arch", None)
@@ -68,7 +71,16 @@ def gguf_arch(model_type: str) -> Any:
 
 def spec_for(cfg: Any) -> GGUFSpec:
     """The GGUF spec of a built model: its native family's, or for a model of transformers'
-    modeling code the generic one of its type (gguf_generic.py); else a one-line error."""
+    modeling code the generic one of its type (gguf_generic.py); an image-text model's
+    language model's (IMAGE_TEXT_LM); else a one-line error."""
+    if cfg.model_type in IMAGE_TEXT_LM:
+        kind = text_hf(cfg).get("model_type")
+        if kind != "llama":
+            raise ValueError(
+                f"GGUF export: {cfg.model_type} with a {kind!r} language model: only a Llama "
+                "one is written here."
+            )
+        return BY_MODEL_TYPE[kind]
     if getattr(cfg, "implementation", "native") != "transformers":
         gguf_arch(cfg.model_type)
         return BY_MODEL_TYPE[cfg.model_type]
@@ -122,8 +134,14 @@ def hf_named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     to the mmproj file (gguf_mmproj.py), not here."""
     from slipstream.models import weight_map
 
+    lm = IMAGE_TEXT_LM.get(model.config.model_type)
     for name, t in weight_map(model.config).hf_state(model):
-        if not name.startswith(VISION_SIDE):
+        if lm is not None:  # the language model's names as its own family's checkpoint
+            if name.startswith(lm):
+                yield "model." + name[len(lm) :], t
+            elif name.startswith("lm_head."):
+                yield name, t
+        elif not name.startswith(VISION_SIDE):
             yield name, t
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from slipstream.checkpoint.atomic import atomic_write
 from slipstream.checkpoint.gguf_arch import gguf_arch
 from slipstream.checkpoint.gguf_families import BY_MODEL_TYPE
+from slipstream.checkpoint.gguf_spec import IMAGE_TEXT_LM
 from slipstream.peft.names import PEFT_PREFIX
 
 
@@ -51,6 +52,11 @@ def export_adapter_gguf(
     # The local source while it exists, else the recorded base; a built-in name: its file.
     base = resolve_model(base or adapter_base(src), "--base")
     cfg = _base_config(base)
+    if cfg.model_type in IMAGE_TEXT_LM:  # its language model's names are not written here
+        raise ValueError(
+            f"GGUF LoRA: a {cfg.model_type} adapter has no GGUF LoRA form here; export it "
+            "merged (--gguf), which writes the text model and its mmproj."
+        )
     arch = gguf_arch(cfg.model_type)
     from slipstream.checkpoint.gguf_export import GGUF_DIR, _check_writable, gguf_output
 

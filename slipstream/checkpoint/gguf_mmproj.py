@@ -13,7 +13,9 @@ mmproj files; a K-quant vision tower is not what its converter writes): 1-D tens
 patch and position embeddings stay f32, as its converter keeps them.
 
 Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemma's RMSNorm
-+ linear projector). Every other image-text type is refused in one line naming it.
++ linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
+one linear connector; llama.cpp tiles the image at the processor's longest edge as
+transformers does). Every other image-text type is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ _NO_TEXT = "its text model ({}) has no GGUF export here yet"
 NOT_WRITTEN = {
     "llava": _NO_TEXT.format("Llama under model.language_model"),
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
-    "idefics3": _NO_TEXT.format("Llama under model.text_model"),
-    "smolvlm": _NO_TEXT.format("Llama under model.text_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen2_5_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
@@ -290,4 +290,41 @@ def _gemma3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | Non
     return out, t
 
 
-SPECS = {"gemma3": MmprojSpec("gemma3", _gemma3_metadata, _gemma3_rename)}
+# --- Idefics3 / SmolVLM: SigLIP, pixel shuffle by scale_factor, one linear map (no bias) ---
+
+
+def _idefics3_metadata(w: Any, hf: dict, processor: dict) -> None:
+    v = hf["vision_config"]
+    if v.get("hidden_act") != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"GGUF mmproj: {hf['model_type']}'s vision hidden_act {v.get('hidden_act')!r} is "
+            "not llama.cpp's (gelu_pytorch_tanh)."
+        )
+    w.add_vision_use_gelu(True)
+    w.add_vision_projector_scale_factor(int(hf.get("scale_factor", 2)))
+    # The image processor's longest edge: llama.cpp resizes to it, then cuts image_size tiles
+    # plus an overview, as transformers' processor does.
+    edge = (processor.get("size") or {}).get("longest_edge", int(v["image_size"]))
+    w.add_vision_preproc_image_size(int(edge))
+
+
+def _idefics3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    import gguf
+
+    if name == "connector.modality_projection.proj.weight":
+        return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_MMPROJ_FC] + ".weight", t
+    tower = name.removeprefix("vision_model.")
+    if tower == name:
+        return None
+    out = encoder_name(tower)
+    if out is None:
+        raise ValueError(f"GGUF mmproj: no llama.cpp name for Idefics3 tensor {name!r}.")
+    return out, t
+
+
+IDEFICS3 = MmprojSpec("idefics3", _idefics3_metadata, _idefics3_rename)
+SPECS = {
+    "gemma3": MmprojSpec("gemma3", _gemma3_metadata, _gemma3_rename),
+    "idefics3": IDEFICS3,
+    "smolvlm": IDEFICS3,
+}

@@ -136,11 +136,18 @@ class GGUFSpec:
         return tr.to_llama_cpp(cfg, module + ".weight", b)[0][1] if tr and tr.rows else b
 
 
+# Image-text types whose language model exports as its own family: model_type -> the prefix
+# of the language model's names in transformers' module tree (hf_state's names).
+IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
+
+
 def text_hf(cfg: Any) -> dict:
-    """config.json of the language model (a multimodal Gemma 3's text_config)."""
+    """config.json of the language model (a multimodal Gemma 3's, Idefics3's text_config)."""
     hf = cfg.hf
     if cfg.model_type == "gemma3":
         return {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+    if cfg.model_type in IMAGE_TEXT_LM:
+        return {"model_type": "llama", **hf.get("text_config", {})}
     return hf
 
 
