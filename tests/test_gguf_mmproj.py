@@ -131,6 +131,7 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
     assert "supported: gemma3, idefics3, smolvlm." in err
+    assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 
 

@@ -38,7 +38,11 @@ from slipstream.checkpoint.atomic import atomic_write
 # slipstream trains (docs/vision.md) and why each has no mmproj here yet.
 _NO_TEXT = "its text model ({}) has no GGUF export here yet"
 NOT_WRITTEN = {
-    "llava": _NO_TEXT.format("Llama under model.language_model"),
+    # Written and run once (branch gobj-llava): 0.3.36's llava graph puts the class token after
+    # the patches while its inputs assume it first; embeddings rel 1.17 vs transformers.
+    "llava": "llama.cpp's CLIP graph (llama-cpp-python 0.3.36) appends the class token after "
+    "the patches and then reads rows 1..n as patches, so it computes another model "
+    "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen2_5_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
