@@ -12,7 +12,8 @@ import torch
 from helpers.tiny_vlm import randomise_constant_tensors, vlm_folder
 from safetensors.torch import load_file, save_file
 
-from slipstream.checkpoint.gguf_mmproj import adapter_trains_vision, mmproj_path
+from slipstream.checkpoint.gguf_export import mmproj_path
+from slipstream.checkpoint.gguf_mmproj import adapter_trains_vision
 from slipstream.cli import main
 
 gguf = pytest.importorskip("gguf")

@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers.tiny_vlm import random_image, randomise_constant_tensors, vlm_folder
 
-from slipstream.checkpoint.gguf_mmproj import mmproj_path
+from slipstream.checkpoint.gguf_export import mmproj_path
 from slipstream.cli import main
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -46,7 +46,6 @@ from slipstream.checkpoint.gguf_mmproj import (
     export_mmproj,
     image_processor_config,
     is_image_text,
-    mmproj_path,
     mmproj_refusal,
     mmproj_type,
 )
@@ -358,6 +357,14 @@ def modelfile_path(gguf_path: str | os.PathLike) -> Path:
     """The Modelfile of a GGUF is named after it (m.q8_0.gguf -> m.q8_0.Modelfile), so two
     exports into one folder keep one each."""
     return Path(gguf_path).with_suffix(".Modelfile")
+
+
+def mmproj_path(text_gguf: str | os.PathLike, type: str) -> Path:
+    """An image-text model's mmproj beside its text file, in its own type (`mmproj_type`):
+    m.q8_0.gguf -> mmproj-m.f16.gguf."""
+    text_gguf = Path(text_gguf)
+    stem = QUANT_SUFFIX.sub("", text_gguf.stem)
+    return text_gguf.with_name(f"mmproj-{stem}.{mmproj_type(type)}.gguf")
 
 
 def write_modelfile(gguf_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:

@@ -48,7 +48,6 @@ NOT_WRITTEN = {
     "qwen2_5_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
-MMPROJ_PREFIX = "mmproj-"
 # A SigLIP/CLIP encoder layer under transformers' names -> the gguf package's tensor.
 _ENCODER_LAYER = {
     "self_attn.q_proj": "V_ENC_ATTN_Q",
@@ -101,15 +100,6 @@ def adapter_trains_vision(adapter: str | os.PathLike) -> bool:
         return False
     with safe_open(str(file), framework="pt", device="cpu") as f:
         return any(_VISION_MODULE.search(key) for key in f.keys())  # noqa: SIM118
-
-
-def mmproj_path(text_gguf: str | os.PathLike, type: str) -> Path:
-    """Beside the text file: m.q8_0.gguf -> mmproj-m.f16.gguf (its own type: `mmproj_type`)."""
-    from slipstream.checkpoint.gguf_export import QUANT_SUFFIX
-
-    text_gguf = Path(text_gguf)
-    stem = QUANT_SUFFIX.sub("", text_gguf.stem)
-    return text_gguf.with_name(f"{MMPROJ_PREFIX}{stem}.{mmproj_type(type)}.gguf")
 
 
 def mmproj_type(type: str) -> str:
