@@ -116,6 +116,11 @@ def test_tower_and_gradients_equal_transformers(kind):
     torch.testing.assert_close(feats, ref.pooler_output, rtol=1e-5, atol=1e-5 * scale)
     for a, b in zip(deepstack, ref_deep):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    # transformers' own callers (its get_image_features, e.g. in its generate) get its object.
+    called = ours(pixels, grid_thw=images["image_grid_thw"], return_dict=True)
+    torch.testing.assert_close(called.pooler_output, feats, rtol=0, atol=0)
+    for a, b in zip(getattr(called, "deepstack_features", None) or [], deepstack, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     # Every gradient: one weighted sum of all outputs, through both towers.
     g = torch.Generator().manual_seed(2)
     weights = [torch.randn(f.shape, generator=g) for f in (feats, *deepstack)]
