@@ -39,7 +39,13 @@ EXTRA["gemma4_text"] = {
 }  # fmt: skip
 # The image+text gemma3 builds its language model from text_config: the tiny sizes go there
 # (at the top level they were ignored, and the published 4B text model was built: 150 s, 13 GB).
-EXTRA["gemma3"] = {"text_config": {**common.TINY, **EXTRA["gemma3_text"]}}
+# Its tower too (transformers' defaults are a 224-px SigLIP, 14 patches a side, whose 256
+# soft tokens do not tile it): 4 patches a side pooled to 2 x 2.
+EXTRA["gemma3"] = {
+    "text_config": {**common.TINY, **EXTRA["gemma3_text"]}, "mm_tokens_per_image": 4,
+    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                      "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+}  # fmt: skip
 # Qwen3.5: a DeltaNet layer and an attention layer, small linear-attention heads.
 QWEN35 = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
           "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -48,6 +54,26 @@ for kind in ("qwen3_5", "qwen3_5_moe"):
     EXTRA[f"{kind}_text"] = QWEN35
     EXTRA[kind] = {"text_config": {**common.TINY, **QWEN35, "model_type": f"{kind}_text"}}
 EXTRA["gemma4"] = {"text_config": {**common.TINY, **EXTRA["gemma4_text"]}}
+# Qwen-VL: mRoPE sections over the tiny head's 8 frequencies, a 1-2 layer tower of width 16
+# (transformers' default towers are the published 0.6B ones).
+_QWEN_VIT = {"hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 64,
+             "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
+for kind, interleaved, tower in (
+    ("qwen2_5_vl", False, {"depth": 1, "patch_size": 14, "window_size": 56,
+                           "fullatt_block_indexes": [0]}),
+    ("qwen3_vl", True, {"depth": 2, "patch_size": 16, "num_position_embeddings": 16,
+                        "deepstack_visual_indexes": [0, 1]}),
+):  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if interleaved:
+        rope["mrope_interleaved"] = True
+    EXTRA[kind] = {
+        "text_config": {**common.TINY, "rope_parameters": rope},
+        "vision_config": {**_QWEN_VIT, **tower},
+    }
+for kind in ("qwen3_5", "qwen3_5_moe"):
+    EXTRA[kind]["vision_config"] = {**_QWEN_VIT, "depth": 1, "patch_size": 16,
+                                    "num_position_embeddings": 16}  # fmt: skip
 # Rows beyond one per model_type: (row label, model_type, config keys beyond common.TINY).
 VARIANTS = [
     ("gemma4_text (MoE)", "gemma4_text", {**EXTRA["gemma4_text"], "enable_moe_block": True,

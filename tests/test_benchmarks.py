@@ -33,6 +33,7 @@ import bench_moe  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_peers  # noqa: E402
 import bench_qwen3_5  # noqa: E402
+import bench_qwen_vit  # noqa: E402
 import bench_syncs  # noqa: E402
 import bench_vision  # noqa: E402
 import common  # noqa: E402
@@ -220,6 +221,16 @@ def test_generate_quick_tiny(capsys):
     assert [r["batch"] for r in rows] == [1, 16]
     assert [r["same tokens"] for r in rows] == ["1/1", "16/16"]  # greedy: both sides agree
     assert all(r["ours tok/s"] > 0 and r["transformers tok/s"] > 0 for r in rows)
+
+
+def test_qwen_vit_quick():
+    """Both towers on the same patches: ours without a host sync, transformers' with some."""
+    rows = bench_qwen_vit.main(["--quick", "--reps", "1"])
+    assert [(r["tower"], r["variant"]) for r in rows] == [
+        (t, v) for t in ("qwen2_5_vl", "qwen3_vl") for v in ("transformers", "slipstream")
+    ]
+    assert [r["syncs"] == 0 for r in rows] == [False, True, False, True]
+    assert all(r["ms"] > 0 for r in rows)
 
 
 def test_vision_trl_quick(capsys):

@@ -99,6 +99,11 @@ def save_adapter(
     # peft wraps convolutions by name too: Qwen-VL's patch embedding is `patch_embed.proj`,
     # the name of the tower's attention output linears.
     unwrapped += [n for n, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    # Their parents too: peft matches a short name against any module, so a module holding a
+    # linear under a target's name (Gemma 4's tower: `q_proj` is a Gemma4ClippableLinear around
+    # `.linear`) would be wrapped, and refused, on transformers' model.
+    parents = {n.rsplit(".", 1)[0] for n in unwrapped if "." in n}
+    unwrapped += sorted(parents - set(lora_modules(model)))
     if base_model_name_or_path is None:
         base_model_name_or_path = getattr(model, "name_or_path", None) or None
     tensors.update(extra_tensors or {})

@@ -24,7 +24,12 @@ from slipstream.models.qwen3_moe import PER_EXPERT
 
 # Our names (hf_state's, before a multimodal layout's prefixes) of a native image-text
 # family's vision side.
-VISION_SIDE = ("vision_tower.", "multi_modal_projector.", "visual.")
+VISION_SIDE = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "visual.",
+    "model.visual.",
+)  # Qwen-VL: ours
 # model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name).
 ARCHS = {model_type: spec.arch for model_type, spec in BY_MODEL_TYPE.items()}
 # llama.cpp's BPE pre-tokenizer names (its vocab loader refuses names it does not know) for

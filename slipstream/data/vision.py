@@ -43,11 +43,15 @@ from slipstream.sources import is_hub_id
 log = logging.getLogger("slipstream")
 
 # What each model's forward takes of the image processor's output (besides pixel_values).
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+MODEL_INPUTS = (
+    "pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask",
+    "image_position_ids",  # Gemma 4: each patch's (x, y), (-1, -1) for padding
+)  # fmt: skip
 # 3-D rotary positions: data/mrope.py (Qwen3.5's get_rope_index gives still images the same).
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 # Image tokens that attend to their whole image (transformers' token_type_ids mask).
-BIDIRECTIONAL_TYPES = ("gemma3",)
+# Gemma 4's only on its sliding layers (models/generic_hooks.py, use_bidirectional_attention).
+BIDIRECTIONAL_TYPES = ("gemma3", "gemma4")
 # Image processors that split an image into crops and say the grid only when asked.
 ROW_COL_TYPES = ("idefics3", "smolvlm")
 MROPE_FIELD = "mrope_position_ids"  # (3, T): the packed batch's 3-D positions
@@ -130,8 +134,17 @@ def _smolvlm(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str
     )  # fmt: skip
 
 
+def _gemma4(processed: Mapping[str, Any], i: int, side: ImageProcessing) -> str:
+    """Gemma4Processor's rule: the image's soft tokens between its begin/end tokens (ids from
+    config.json), as many as the image processor says."""
+    tok, cfg = side.tokenizer, side.config
+    n = int(processed["num_soft_tokens_per_image"][i])
+    boi, eoi = tok.convert_ids_to_tokens([cfg["boi_token_id"], cfg["eoi_token_id"]])
+    return boi + side.placeholder * n + eoi
+
+
 # model_type -> (placeholder the chat template prints, replacement for image i), for
-# processors that cannot be built without torchvision.
+# processors that cannot be built without torchvision; placeholder None: the image token.
 RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], str]]] = {
     "qwen2_vl": ("<|image_pad|>", _qwen_vl),
     "qwen2_5_vl": ("<|image_pad|>", _qwen_vl),
@@ -140,6 +153,7 @@ RULES: dict[str, tuple[str, Callable[[Mapping[str, Any], int, ImageProcessing], 
     "qwen3_5_moe": ("<|image_pad|>", _qwen_vl),
     "mistral3": ("[IMG]", _pixtral),
     "smolvlm": ("<image>", _smolvlm),  # its processor class builds a video processor
+    "gemma4": (None, _gemma4),  # Gemma4Processor builds a video processor (torchvision)
 }
 
 
@@ -182,6 +196,8 @@ class ImageProcessing:
             self.tower = VitGeometry.of(config.get("vision_config") or {}, self.model_type)
         elif self.model_type in PIXTRAL_TYPES:
             self.tower = PixtralGeometry.of(config)
+        if self.placeholder is None:  # the template prints the image token itself
+            self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.added_ids = set(tokenizer.get_added_vocab().values())
         self._sequence_ids: dict[str, list[int]] = {}  # replacement text -> its ids
 
@@ -210,6 +226,10 @@ class ImageProcessing:
             size = (h * patch, w * patch)
         elif "image_sizes" in inputs:
             size = tuple(inputs["image_sizes"][0].tolist())
+        elif "image_position_ids" in inputs:  # Gemma 4: the real patches' (x, y) grid
+            patch = self.image_processor.patch_size
+            x, y = (inputs["image_position_ids"][0].amax(0) + 1).tolist()  # host tensors
+            size = (y * patch, x * patch)
         else:
             size = tuple(inputs["pixel_values"].shape[-2:])
         return inputs, self.replace_image(out, 0), size
@@ -259,8 +279,16 @@ class ImageProcessing:
         ids = list(ids)
         return ImageExample(
             ids, trainable, inputs, self.image_token_id, sizes, counts, positions,
-            bidirectional=self.model_type in BIDIRECTIONAL_TYPES, tower=self.tower,
+            bidirectional=self._bidirectional(), tower=self.tower,
         )  # fmt: skip
+
+    def _bidirectional(self) -> bool:
+        """Whether each image's rows see one another: Gemma 3's always; Gemma 4's when its
+        text config says so (use_bidirectional_attention "vision", as transformers reads it)."""
+        if self.model_type == "gemma4":
+            text = self.config.get("text_config") or {}
+            return text.get("use_bidirectional_attention") == "vision"
+        return self.model_type in BIDIRECTIONAL_TYPES
 
     def _expander(self, replacements: list[str]) -> Callable[[str], str]:
         """A text's placeholders replaced in order by `replacements` (one per image)."""

@@ -131,10 +131,13 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
 
 def _text_config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
     full = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-    if full.get("use_bidirectional_attention"):
+    # "vision": image rows see one another on sliding layers; text (all this family takes:
+    # image rows train on the generic path) stays causal, so it changes nothing here.
+    if full.get("use_bidirectional_attention") not in (None, False, "vision"):
         raise ValueError(
-            "config.json: use_bidirectional_attention is set (an embedding or vision-"
-            "bidirectional model); slipstream trains Gemma 4 as a causal LM: set it to null."
+            "config.json: use_bidirectional_attention="
+            f"{full['use_bidirectional_attention']!r} (an embedding model); slipstream trains "
+            "Gemma 4 as a causal LM: set it to null."
         )
     act = full["hidden_activation"]
     if act not in GELU_APPROXIMATE:

@@ -91,9 +91,14 @@ def slipstream_attention(
     q_THD, k_TGD, v_TGD = (x[0].transpose(0, 1) for x in (query_BHTD, key_BGTD, value_BGTD))
     window = sliding_window if sliding_window else None  # transformers passes 0/None: full
     seq = chunked(module, seq)
+    # Gemma 4 (use_bidirectional_attention "vision"): images are bidirectional on its
+    # sliding layers only; its full layers stay causal (transformers' vision masks).
+    vision_only = getattr(getattr(module, "config", None), "use_bidirectional_attention", None)
+    spans = window is not None or vision_only != "vision"
     o_THD = attend(
-        q_THD, k_TGD, v_TGD, seq, window=window, sinks=s_aux, scale=scaling, softcap=softcap
-    )
+        q_THD, k_TGD, v_TGD, seq, window=window, sinks=s_aux, scale=scaling, softcap=softcap,
+        image_spans=spans,
+    )  # fmt: skip
     return o_THD[None], None
 
 

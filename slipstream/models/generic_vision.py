@@ -67,6 +67,9 @@ class GenericImageTextLM(GenericCausalLM):
         # after the first decoder layers, as transformers' `_deepstack_process` does (by a
         # boolean mask there, by `index_add` over the host-built rows here).
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        language = getattr(getattr(hf_model, "model", None), "language_model", None)
+        per_layer = getattr(getattr(language, "config", None), "hidden_size_per_layer_input", 0)
+        self._per_layer_inputs = language.get_per_layer_inputs if per_layer else None
         visual = getattr(getattr(hf_model, "model", None), "visual", None)
         depth = len(getattr(visual, "deepstack_visual_indexes", None) or ())
         if depth:
@@ -108,6 +111,13 @@ class GenericImageTextLM(GenericCausalLM):
             kwargs["position_ids"] = images[MROPE_FIELD][:, None, :]
         if images is None:
             self._deepstack = None  # a text batch (or a decode step): no deepstack rows
+        elif self._per_layer_inputs is not None:
+            # Gemma 4's per-layer inputs from the ids, image rows as the pad token as
+            # transformers does (from inputs_embeds alone it would invert the embedding:
+            # a `nonzero`, and no id at all for an image row).
+            pad, rows_P = self.config.hf["text_config"].get("pad_token_id", 0), images["image_rows"]
+            ids_T = input_ids_T.index_fill(0, rows_P, pad if pad is not None else 0)
+            kwargs["per_layer_inputs"] = self._per_layer_inputs(ids_T[None])
         return super()._backbone_out(input_ids_T, seq, images, **kwargs)
 
     def image_features(self, images: dict[str, torch.Tensor]) -> torch.Tensor:

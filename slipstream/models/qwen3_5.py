@@ -13,9 +13,11 @@ What differs from the Qwen3 decoder:
 - every RMSNorm but the mixer's gated one stores its weight as an offset from 1
   (`Gemma3RMSNorm`'s form: x_norm * (1 + w) in float32).
 Multimodal checkpoints (`qwen3_5`): the same text model built from `text_config`, held under
-`model.language_model.*` (+ `lm_head`); the vision tower (`model.visual.*`) and the
-multi-token-prediction head (`mtp.*`, which transformers never loads) are passed through
-by save and export.
+`model.language_model.*` (+ `lm_head`), with the image side of models/qwen_vl.py when
+config.json has a `vision_config`: the vision tower under `model.visual.*`, the embedding stage
+writing its features into host-found rows, RoPE by the host-built 3-D positions with the
+sections interleaved (Qwen3-VL's; no deepstack). The multi-token-prediction head (`mtp.*`,
+which transformers never loads) is passed through by save and export.
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim.
 """
@@ -40,6 +42,14 @@ from slipstream.models.common import (
 )
 from slipstream.models.gated_deltanet import GatedDeltaNet
 from slipstream.models.gemma3 import Gemma3RMSNorm as OffsetRMSNorm
+from slipstream.models.qwen_vl import (
+    MODULE_TREE,
+    ImageTextBackbone,
+    ImageTextLM,
+    mrope_section,
+    text_config,
+    vision_tower,
+)
 from slipstream.models.rope import apply_rope
 from slipstream.models.spec import FamilySpec
 from slipstream.models.weights import WeightMap
@@ -59,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
 KINDS = ("linear_attention", "full_attention")
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 MULTIMODAL_LAYOUTS = ((("model.", "model.language_model."), ("lm_head.", "lm_head.")),)
-PASSTHROUGH = ("model.visual.", "mtp.")
+PASSTHROUGH = ("model.visual.", "mtp.")  # without a vision config: no tower held
 
 
 @dataclass
@@ -160,7 +170,17 @@ def build_hybrid(cfg: Qwen35Config, mlp, router_aux_loss_coef: float = 0.0) -> C
     """The hybrid model, `mlp(cfg)` building each layer's MLP (dense here, MoE in
     qwen3_5_moe.py)."""
     layers = [HybridDecoderLayer(cfg, kind, mlp(cfg)) for kind in cfg.layer_types]
-    return CausalLM(cfg, Backbone(cfg, layers, norm=OffsetRMSNorm), router_aux_loss_coef)
+    if not has_vision(cfg):
+        return CausalLM(cfg, Backbone(cfg, layers, norm=OffsetRMSNorm), router_aux_loss_coef)
+    section = mrope_section(text_config(cfg.hf), cfg.model_type)
+    backbone = ImageTextBackbone(cfg, layers, vision_tower(cfg.hf), section, interleaved=True,
+                                 norm=OffsetRMSNorm)  # fmt: skip
+    return ImageTextLM(cfg, backbone, router_aux_loss_coef=router_aux_loss_coef)
+
+
+def has_vision(cfg: Qwen35Config) -> bool:
+    """A multimodal checkpoint with its vision config: the image side is built."""
+    return cfg.model_type in MULTIMODAL and isinstance(cfg.hf.get("vision_config"), dict)
 
 
 def build(cfg: Qwen35Config) -> CausalLM:
@@ -175,9 +195,12 @@ class Qwen35Layout:
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__(cfg)
         self.layouts = MULTIMODAL_LAYOUTS if cfg.model_type in MULTIMODAL else ()
+        self.passthrough = PASSTHROUGH
+        if has_vision(cfg):  # the tower is ours (models/qwen_vl.py's module tree)
+            self.layouts, self.passthrough = (MODULE_TREE,), ("mtp.",)
 
     def is_passthrough(self, name: str) -> bool:
-        return name.startswith(PASSTHROUGH)
+        return name.startswith(self.passthrough)
 
     def our_name(self, name: str) -> str | None:
         return None if self.is_passthrough(name) else super().our_name(name)

@@ -63,11 +63,17 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def mrope_section(text: dict[str, Any]) -> list[int]:
+# transformers' mRoPE sections where config.json gives none (its rotary modules' defaults).
+DEFAULT_SECTIONS = {
+    "qwen2_5_vl": [16, 24, 24], "qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10],
+    "qwen3_5_moe": [11, 11, 10],
+}  # fmt: skip
+
+
+def mrope_section(text: dict[str, Any], model_type: str) -> list[int]:
+    """The t/h/w sections of config.json's text part (`rope_parameters` / `rope_scaling`)."""
     params = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
-    if "mrope_section" not in params:
-        raise ValueError("config.json: an image-text Qwen config needs rope mrope_section.")
-    return list(params["mrope_section"])
+    return list(params.get("mrope_section") or DEFAULT_SECTIONS[model_type])
 
 
 def image_text_config(hf: dict[str, Any], text_family: Any) -> ModelConfig:
@@ -80,7 +86,6 @@ def image_text_config(hf: dict[str, Any], text_family: Any) -> ModelConfig:
             "the checkpoint with transformers."
         )
     text = text_config(hf)
-    mrope_section(text)  # a missing section fails at load, not at build
     cfg = text_family.config_from_hf({**text, "model_type": hf["model_type"]})
     return dataclasses.replace(cfg, hf=dict(hf))
 
@@ -91,8 +96,8 @@ def build_image_text(cfg: ModelConfig, text_family: Any, interleaved: bool) -> I
     text = text_config(cfg.hf)
     windows = text_family.layer_windows(dataclasses.replace(cfg, hf=text))
     layers = text_family.decoder_layers(cfg, windows)
-    backbone = ImageTextBackbone(cfg, layers, vision_tower(cfg.hf), mrope_section(text),
-                                 interleaved)  # fmt: skip
+    section = mrope_section(text, cfg.model_type)
+    backbone = ImageTextBackbone(cfg, layers, vision_tower(cfg.hf), section, interleaved)
     return ImageTextLM(cfg, backbone)
 
 

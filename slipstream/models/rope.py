@@ -141,8 +141,9 @@ def rope_cos_sin(
 
 def mrope_axes(section, interleaved: bool, freqs: int) -> list[int]:
     """Which position row (0 t, 1 h, 2 w) each of the F rotary frequencies reads (module
-    docstring); a one-line error when the sections do not cover F."""
-    if len(section) != 3 or sum(section) != freqs:
+    docstring); in blocks the sections must sum to F (a one-line error), interleaved they are
+    cut at F, as transformers' slices are."""
+    if len(section) != 3 or (not interleaved and sum(section) != freqs):
         raise ValueError(
             f"config.json: rope mrope_section={list(section)} must be three numbers summing to "
             f"{freqs} (half the rotary dims)."

@@ -62,6 +62,7 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     causal: bool = True,
+    image_spans: bool = True,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence -> (T, H, Dh); `causal=False`: every
     query sees its whole sequence (a vision tower's images; training batches only).
@@ -72,11 +73,14 @@ def attend(
     slipstream.generation.cache) stores this layer's keys and values and attends over its
     cache, with the same window, sinks and scale the family passed. Under sequence
     parallelism `seq.shard` (ops/ulysses.py) attends over the whole batch by all-to-alls.
-    `seq.image_spans` (Gemma 3's images): those rows see their whole span (`with_image_spans`).
+    `seq.image_spans` (Gemma 3's and 4's images): those rows see their whole span
+    (`with_image_spans`); `image_spans=False`: this layer stays causal there (Gemma 4's
+    full-attention layers: transformers' mask makes only its sliding layers bidirectional).
     """
     if not causal and (seq.kv is not None or seq.shard is not None):
         raise ValueError("non-causal attention with a KV cache or a shard: not supported")
-    if seq.image_spans and (sinks is not None or softcap is not None or seq.shard is not None):
+    spans = image_spans and bool(seq.image_spans)
+    if spans and (sinks is not None or softcap is not None or seq.shard is not None):
         raise ValueError(
             "bidirectional image spans with attention sinks, softcapping or sequence "
             "parallelism: not supported"
@@ -91,7 +95,7 @@ def attend(
         )
     else:
         out = attend_packed(q_THD, k_TGD, v_TGD, seq, window, sinks, scale, softcap, causal)
-    if seq.image_spans:  # a prefill's or a training batch's own keys: the spans index them
+    if spans:  # a prefill's or a training batch's own keys: the spans index them
         out = with_image_spans(out, q_THD, k_TGD, v_TGD, seq, window, scale)
     return out
 

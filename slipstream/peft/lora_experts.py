@@ -36,7 +36,13 @@ from slipstream.models.generic_hooks import is_standard_experts, one_pass
 from slipstream.models.moe_block import expert_blocks
 from slipstream.ops.moe import RoutingPlan, grouped_mm
 from slipstream.peft.lora_linear import lora_factor_dtype, lora_modules
-from slipstream.peft.names import EXPERT_TARGETS, expert_keys, model_layout, parameter_targets
+from slipstream.peft.names import (
+    EXPERT_TARGETS,
+    expert_keys,
+    model_layout,
+    parameter_targets,
+    peft_path,
+)
 
 
 class LoRAExperts(nn.Module):
@@ -144,11 +150,13 @@ def wrap_experts(
 
 
 def expert_lora_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, str]]:
-    """PEFT key -> (stacked factor, "A"|"B") for every expert LoRA factor in the model."""
+    """PEFT key -> (stacked factor, "A"|"B") for every expert LoRA factor in the model (keys
+    at transformers' module paths: a multimodal checkpoint's `model.language_model.`)."""
+    layout = model_layout(model)
     return {
         key: (m.lora_A[name] if part == "A" else m.lora_B[name], part)
         for path, m in expert_lora_modules(model).items()
-        for key, (name, part) in expert_keys(path, m.targets).items()
+        for key, (name, part) in expert_keys(peft_path(path, layout), m.targets).items()
     }
 
 

@@ -114,7 +114,7 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
 def image_implementation(cfg: RunConfig, examples: list) -> str | None:
     """ "transformers" when the data holds image rows and `model.implementation: auto` would
     take a native family that trains text only while the generic image-text path trains the
-    checkpoint's image side (models.IMAGE_TEXT_ON_GENERIC: Qwen3.5); else None."""
+    checkpoint's image side (models.IMAGE_TEXT_ON_GENERIC: Gemma 4); else None."""
     from slipstream.checkpoint.model_type import model_config
     from slipstream.data.vision import ImageExample
     from slipstream.models import image_text_implementation

@@ -7,14 +7,17 @@ from torch import nn
 
 
 def lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every LoRA factor's gradient keyed as peft names it (`base_model.model.<path>...`),
+    """Every LoRA factor's gradient keyed as peft names it (`base_model.model.<transformers'
+    module path>...`),
     stacked expert factors in peft's `target_parameters` layout (peft/lora_experts.py)."""
     from slipstream.peft.lora_experts import expert_lora_factors
+    from slipstream.peft.names import adapter_key, model_layout, peft_path
 
     experts = expert_lora_factors(model)
     stacked = {id(p) for p, _ in experts.values()}
+    layout = model_layout(model)  # a native multimodal family's names -> transformers' tree
     out = {
-        f"base_model.model.{n}": p.grad
+        adapter_key(peft_path(n, layout)): p.grad
         for n, p in model.named_parameters()
         if "lora_" in n and id(p) not in stacked
     }

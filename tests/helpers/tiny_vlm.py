@@ -39,6 +39,10 @@ GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
     "eoi_token": "<end_of_image>",
 }  # fmt: skip
+# Gemma 4's begin-of-image, image (what the template prints), end-of-image, video and audio
+# tokens (test stand-ins; config.json names them by id).
+GEMMA4_TOKENS = ["<|image>", "<|image|>", "<image|>", "<|video|>", "<|audio|>", "<|audio>",
+                 "<audio|>"]  # fmt: skip
 IDEFICS3_TOKENS = [
     "<image>", "<fake_token_around_image>", "<global-img>",
     *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
@@ -193,6 +197,25 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None 
             eoi_token_index=tok.eoi_token_id,
             image_token_index=tok.image_token_id,
         )
+    elif kind == "gemma4":  # patches of each image's own grid, pooled 3x3; Gemma4Processor
+        # builds a video processor (torchvision): the image processor alone is saved.
+        tok = _tokenizer(out, GEMMA4_TOKENS, GEMMA4_TOKENS[1])
+        processor = transformers.Gemma4ImageProcessorPil(
+            patch_size=4, max_soft_tokens=70, pooling_kernel_size=3
+        )
+        from helpers.tiny_hf import gemma4_text
+
+        text = {**TEXT, **gemma4_text(2), "vocab_size": len(tok),
+                "vocab_size_per_layer_input": len(tok), "use_bidirectional_attention": "vision",
+                "pad_token_id": 0}  # fmt: skip
+        vision = dict(
+            VISION, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3,
+            position_embedding_size=256,
+        )  # fmt: skip
+        ids = dict(zip(("boi_token_id", "image_token_id", "eoi_token_id", "video_token_id",
+                        "audio_token_id", "boa_token_id", "eoa_token_index"),
+                       tok.convert_tokens_to_ids(GEMMA4_TOKENS)))  # fmt: skip
+        config = transformers.Gemma4Config(text_config=text, vision_config=vision, **ids)
     elif kind == "idefics3":  # images split into crops + a global view, 4 tokens each
         tok = _tokenizer(out, IDEFICS3_TOKENS, "<image>")
         image = transformers.Idefics3ImageProcessor(
@@ -249,16 +272,13 @@ def assert_lora_grads_match(ours, peft_model) -> None:
     """Every trained tensor's gradient equals peft's (1e-4 of its largest entry: float32);
     stacked expert factors compared in peft's layout (helpers.peft_grads)."""
     from helpers.peft_grads import lora_grads
-    from slipstream.models.weights import to_hf_name
-    from slipstream.peft.names import PEFT_PREFIX, model_layout
+    from slipstream.peft.names import adapter_key, model_layout, peft_path
 
     theirs = {n.replace(".default", ""): p for n, p in peft_model.named_parameters()}
-    grads = lora_grads(ours)
+    grads = lora_grads(ours)  # peft's keys (a native family's names mapped to its tree)
+    layout = model_layout(ours)
     trained = [n for n, p in ours.named_parameters() if p.requires_grad and "lora_" not in n]
-    grads.update({f"{PEFT_PREFIX}{n}": ours.get_parameter(n).grad for n in trained})
-    layout = model_layout(ours)  # a native family's names -> transformers' module tree
-    grads = {PEFT_PREFIX + to_hf_name(k.removeprefix(PEFT_PREFIX), layout): g
-             for k, g in grads.items()}  # fmt: skip
+    grads.update({adapter_key(peft_path(n, layout)): ours.get_parameter(n).grad for n in trained})
     assert grads and set(grads) == {n for n, p in theirs.items() if p.requires_grad}
     for key, grad in grads.items():
         scale = theirs[key].grad.abs().max()
