@@ -6,8 +6,8 @@ text row in one micro-batch.
 Per type: `auto` takes the native family; loss and every LoRA gradient equal transformers +
 peft (1e-4 rel), the adapter loading in peft on AutoModelForImageTextToText with equal logits;
 packed equals separate; 1-D positions give other logits (the mRoPE test can fail), and so
-does Qwen3-VL without its deepstack rows; 0 host syncs in a LoRA step with the tower's output
-given (the tower is transformers' own until models/qwen_vit.py: its syncs are counted apart);
+does Qwen3-VL without its deepstack rows; 0 host syncs in a LoRA step, slipstream's tower
+(models/qwen_vit.py) included, with LoRA on it;
 greedy generation with an image equals transformers' `generate`; the merged export loads in
 transformers with equal logits; LoRA on the tower (`vision.tower: lora`) loads in peft; a
 2-step CLI run takes the native family.
@@ -28,9 +28,18 @@ from peft import PeftModel
 import slipstream
 from slipstream.data import collate, tokenize_rows
 from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, image_inputs
+from slipstream.models.qwen_vit import QwenVisionTower
 
 KINDS = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"]
 SIZES = [[(50, 90)], [(100, 60), (30, 30)]]
+
+
+def _atol(kind, logits):
+    """1e-5, or for the tiny Qwen3.5s 2e-4 of the largest logit: they amplify rounding in
+    their image features ~1e4x (1e-8 of noise moves the logits by 1e-4, measured), and
+    slipstream's tower (a matmul for transformers' Conv3d patch embedding) gives features
+    within 4e-8 of transformers' (tests/test_vision_models.py, the same bound)."""
+    return 2e-4 * logits.abs().max().item() if kind.startswith("qwen3_5") else 1e-5
 
 
 def _row(sizes, reply, k=0):
@@ -99,7 +108,7 @@ def test_loss_lora_grads_packing_and_peft_logits_equal_transformers(vlm, tmp_pat
         torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
         for ex, got in zip(examples, alone):  # the adapter in peft: equal logits
             expected = peft_model(**_hf_inputs(ex, side)).logits[0]
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=_atol(kind, expected))
         flat = {k: v for k, v in images.items() if k != MROPE_FIELD}  # 1-D positions
         assert (ours(b.input_ids, b.seq, images=flat) - packed).abs().max() > 1e-3
         tower = ours.model.visual
@@ -110,22 +119,20 @@ def test_loss_lora_grads_packing_and_peft_logits_equal_transformers(vlm, tmp_pat
             assert (ours(b.input_ids, b.seq, images=images) - packed).abs().max() > 1e-3
 
 
-def test_no_host_sync_in_a_lora_step_with_the_towers_output_given(vlm):
+def test_no_host_sync_in_a_lora_step_tower_included(vlm):
     _, folder, _, _, examples = vlm
     model = _native(folder)
-    slipstream.apply_lora(model, rank=4, alpha=8)
+    assert isinstance(model.model.visual, QwenVisionTower)  # slipstream's packed tower
+    model.no_lora_prefixes = ()  # LoRA on the tower too: its step runs under autograd
+    slipstream.apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    assert any(n.startswith("model.visual.") and "lora_" in n for n, _ in model.named_parameters())
     batch = collate(examples).to("cpu")
     images = image_inputs(batch.fields)
-    tower = model.model.visual
-    with slipstream.count_syncs() as in_tower:
-        out = tower(images["pixel_values"], images)  # transformers' tower: counted apart
-    tower.forward = lambda pixels, images: out
     with slipstream.count_syncs() as syncs:
         loss = model.loss(batch.input_ids, batch.labels, batch.seq, reduction="sum",
                           label_positions=batch.label_positions, images=images)  # fmt: skip
         loss.backward()
     assert syncs.total == 0, syncs
-    assert in_tower.total > 0  # transformers' tower reads its grids on the host (until qwen_vit)
 
 
 def test_greedy_generation_with_an_image_equals_transformers_generate(vlm):
@@ -153,7 +160,7 @@ def test_greedy_generation_with_an_image_equals_transformers_generate(vlm):
 
 
 def test_merged_export_and_tower_lora_load_in_transformers_and_peft(vlm, tmp_path):
-    _, folder, _, side, examples = vlm
+    kind, folder, _, side, examples = vlm
     ex = examples[1]
     c = collate([ex])
     model = _native(folder)
@@ -165,8 +172,8 @@ def test_merged_export_and_tower_lora_load_in_transformers_and_peft(vlm, tmp_pat
     with torch.no_grad():
         want = model(c.input_ids, c.seq, images=image_inputs(c.fields))
         peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path / "adapter").eval()
-        torch.testing.assert_close(peft_model(**_hf_inputs(ex, side)).logits[0], want,
-                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        got = peft_model(**_hf_inputs(ex, side)).logits[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=_atol(kind, want))
         slipstream.export_merged(model, tmp_path / "merged")
         merged = _hf(tmp_path / "merged")
         got = merged(**_hf_inputs(ex, side)).logits[0]

@@ -12,10 +12,10 @@ mRoPE and deepstack, and the checkpoint layouts.
   (models/rope.py); without (text batches, decode steps) the 1-D ones, which equal (p, p, p).
 - Deepstack (Qwen3-VL): the tower's intermediate features are added to the image rows after
   the first decoder layers, by `index_add` over the same rows.
-- The tower is called `tower(pixel_values, images) -> (feats_PD, [deepstack_PD])`, its
-  parameters named as transformers' `model.visual`. `TransformersTower` holds transformers' own
-  vision module behind that call (its SDPA attention, its host syncs: docs/vision.md) until
-  slipstream's packed tower (models/qwen_vit.py) replaces it in `vision_tower`.
+- The tower is slipstream's (models/qwen_vit.py), called `tower(pixel_values, images) ->
+  (feats_PD, [deepstack_PD])` over the collator's host-built metadata (data/qwen_vit_meta.py):
+  the images packed by their own lengths, attention over `cu_seqlens`, no host sync; its
+  parameters are named as transformers' `model.visual`.
 
 Names: ours are transformers' module tree with `model.language_model.` read as `model.`
 (`model.embed_tokens`, `model.layers.*`, `model.visual.*`, `lm_head`); checkpoints hold that
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from slipstream.models.common import Backbone, CausalLM, ModelConfig, RMSNorm, split_outputs
+from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.rope import mrope_axes, mrope_cos_sin
 from slipstream.models.weights import WeightMap
 from slipstream.ops.packing import SeqInfo
@@ -101,54 +102,10 @@ def build_image_text(cfg: ModelConfig, text_family: Any, interleaved: bool) -> I
     return ImageTextLM(cfg, backbone)
 
 
-class TransformersTower(nn.Module):
-    """transformers' vision module of a config behind the tower call (module docstring);
-    its children are ours, so parameter names are its own."""
-
-    def __init__(self, hf_visual: nn.Module) -> None:
-        super().__init__()
-        assert not hf_visual._parameters, "tensors outside its submodules"
-        self.__dict__["hf"] = hf_visual  # not a submodule: its children are ours, names kept
-        for name, child in hf_visual.named_children():
-            self.add_module(name, child)
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> TransformersTower:
-        """The tower of config.json `hf` (an image-text model's), randomly initialised on the
-        current default device, with SDPA attention (images are not packed sequences here)."""
-        from transformers import AutoConfig, AutoModel
-
-        hf = dict(hf)
-        vision = AutoConfig.for_model(hf.pop("model_type"), **hf).vision_config
-        vision._attn_implementation = "sdpa"
-        return cls(AutoModel.from_config(vision, attn_implementation="sdpa"))
-
-    def train(self, mode: bool = True) -> TransformersTower:
-        super().train(mode)
-        self.hf.training = mode
-        return self
-
-    def forward(self, pixel_values: torch.Tensor, images: dict[str, Any]):
-        """-> ((P, D) features of every image in order, [(P, D)] deepstack features)."""
-        dtype = self.patch_embed.proj.weight.dtype
-        out = self.hf(pixel_values.to(dtype), grid_thw=images["image_grid_thw"])
-        return out.pooler_output, list(getattr(out, "deepstack_features", None) or ())
-
-    def reset_buffers(self) -> None:
-        """The rotary tables' inverse frequencies, as the modules' constructors compute them
-        (after `to_empty`)."""
-        for module in self.modules():
-            if "inv_freq" in module._buffers and hasattr(module, "config"):
-                with torch.device("cpu"):
-                    fresh = type(module)(module.config)
-                for name in ("inv_freq", "original_inv_freq"):
-                    if name in module._buffers:
-                        module._buffers[name].copy_(fresh._buffers[name])
-
-
-def vision_tower(hf: dict[str, Any]) -> nn.Module:
-    """The tower of config.json `hf` (module docstring: the one line to switch)."""
-    return TransformersTower.from_hf(hf)
+def vision_tower(hf: dict[str, Any]) -> QwenVisionTower:
+    """slipstream's packed tower (models/qwen_vit.py) of config.json `hf` (an image-text
+    model's), parameters named as transformers' `model.visual`."""
+    return QwenVisionTower.from_config(hf["vision_config"], hf["model_type"])
 
 
 class ImageTextBackbone(Backbone):
