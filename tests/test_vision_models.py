@@ -18,8 +18,8 @@ Per type: loss and every LoRA gradient equal transformers + peft (1e-4 rel) on a
 of several images of different sizes and a text row; packed equals each example alone; greedy
 generation with an image equals transformers' `generate`; no host sync in a training step's
 model code outside transformers' vision tower (the tower's own, counted, are in
-docs/vision.md), none at all with Gemma 3's SigLIP and slipstream's Qwen-VL tower (Qwen3-VL,
-Qwen3.5: models/qwen_vit.py).
+docs/vision.md), none at all with Gemma 3's SigLIP, slipstream's Qwen-VL tower (Qwen3-VL,
+Qwen3.5: models/qwen_vit.py) and slipstream's pass over Gemma 4's (models/gemma4_tower.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_i
 from peft import PeftModel
 
 import slipstream
-from slipstream.data import collate, tokenize_rows
+from slipstream.data import collate, gemma4_meta, tokenize_rows
 from slipstream.data.qwen_vit_meta import VIT_TYPES
 from slipstream.data.vision import MROPE_FIELD, ImageExample, ImageProcessing, image_inputs
 
@@ -228,8 +228,10 @@ def test_no_host_sync_in_a_training_step(vlm):
                           label_positions=batch.label_positions, images=images)  # fmt: skip
         loss.backward()
     assert rest.total == 0, rest
-    if kind == "gemma3" or kind in VIT_TYPES:  # SigLIP, slipstream's Qwen-VL tower: none either
-        assert syncs.total == 0, syncs
+    if kind in ("gemma3", "gemma4") or kind in VIT_TYPES:  # SigLIP, slipstream's Qwen-VL
+        assert syncs.total == 0, syncs  # and Gemma 4 passes (qwen_vit, gemma4_tower): none
+    if kind == "gemma4":  # the tower saw the real patches only, no padded batch
+        assert gemma4_meta.PATCHES in images and "pixel_values" not in images
 
 
 def test_greedy_generation_with_an_image_equals_transformers_generate(vlm):
