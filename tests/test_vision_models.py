@@ -278,21 +278,6 @@ def _prompt_inputs(kind, folder, tok, side, messages):
     return inputs
 
 
-@pytest.mark.parametrize("vlm", ["gemma4"], indirect=True)
-def test_image_rows_take_the_generic_path_and_text_rows_the_native_one(vlm):
-    from slipstream.config import load_config
-    from slipstream.train.setup import image_implementation
-
-    _, folder, _, _, examples = vlm
-    cfg = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o"])
-    assert image_implementation(cfg, examples) == "transformers"
-    assert image_implementation(cfg, examples[-1:]) is None  # text rows: the native family
-    assert type(slipstream.load_model(folder)).__name__ != "GenericImageTextLM"
-    forced = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o",
-                                "model.implementation=native"])  # fmt: skip
-    assert image_implementation(forced, examples) is None
-
-
 def tok_ids(side, text):
     return side.tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -34,7 +34,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_5_moe": "qwen3_5_moe",
     "gemma4_text": "gemma4",
-    "gemma4": "gemma4",  # Gemma4ForConditionalGeneration: its text model
+    "gemma4": "gemma4",  # Gemma4ForConditionalGeneration: text model + vision tower
 }
 
 
@@ -43,12 +43,13 @@ GENERIC = "generic"  # the family module for transformers' own modeling code
 GENERIC_VISION = "generic_vision"  # and for its image-text models (AutoModelForImageTextToText)
 # Native families of image-text checkpoints whose `implementation: transformers` is
 # transformers' image-text model (the generic image-text path: the reference for tests).
-IMAGE_TEXT_REFERENCE = ("gemma3", "qwen3_5", "qwen3_5_moe")
+IMAGE_TEXT_REFERENCE = ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
 # Native text families of image-text checkpoints whose image side runs on the generic
 # image-text path: `implementation: transformers` (and `auto` with image rows: train/setup.py,
-# generation/commands.py) takes it. Gemma 3's and Qwen3.5's native families train their image
-# side (models/gemma3.py + siglip.py, qwen3_5.py + qwen_vl.py).
-IMAGE_TEXT_ON_GENERIC: tuple[str, ...] = ("gemma4",)
+# generation/commands.py) takes it. None now: Gemma 3's, Gemma 4's and Qwen3.5's native
+# families train their image side (models/gemma3.py + siglip.py, gemma4.py + gemma4_image.py,
+# qwen3_5.py + qwen_vl.py).
+IMAGE_TEXT_ON_GENERIC: tuple[str, ...] = ()
 
 
 def choose_family(

@@ -27,7 +27,8 @@ What differs from Gemma 3 (models/gemma3.py):
 - the LM head's logits soft-capped at `final_logit_softcapping`.
 
 Weights load by HF names (`Gemma4Weights`: the layer_scalar buffers, shared layers' unused
-k/v tensors dropped, the multimodal checkpoint's prefixes and towers).
+k/v tensors dropped, the multimodal checkpoint's prefixes; its vision tower is ours,
+models/gemma4_image.py, its audio tower passed through).
 
 Shapes: T tokens, D hidden, H heads, G kv heads, Dh head dim, L layers, P per-layer input
 width, E experts, K top-k.
@@ -47,6 +48,7 @@ from torch import nn
 
 from slipstream.models.common import Backbone, CausalLM, GatedMLP, ModelConfig, sliding_windows
 from slipstream.models.gemma3 import GELU_APPROXIMATE, ScaledEmbedding
+from slipstream.models.gemma4_image import AUDIO_PASSTHROUGH, IMAGE_TEXT_LAYOUTS, Gemma4ImageTextLM
 from slipstream.models.qwen3_moe import Qwen3MoeExperts
 from slipstream.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from slipstream.models.spec import FamilySpec
@@ -131,8 +133,8 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
 
 def _text_config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
     full = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
-    # "vision": image rows see one another on sliding layers; text (all this family takes:
-    # image rows train on the generic path) stays causal, so it changes nothing here.
+    # "vision": image rows see one another on sliding layers (Gemma4Attention.attend);
+    # text stays causal.
     if full.get("use_bidirectional_attention") not in (None, False, "vision"):
         raise ValueError(
             "config.json: use_bidirectional_attention="
@@ -306,7 +308,10 @@ class Gemma4Attention(nn.Module):
 
     @torch.compiler.disable
     def attend(self, q_THD, k_TGD, v_TGD, seq: SeqInfo) -> torch.Tensor:
-        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=1.0)
+        """Image rows (`seq.image_spans`) see their whole image on sliding layers only, as
+        transformers' Gemma 4 mask (`use_bidirectional_attention: "vision"`)."""
+        return attend(q_THD, k_TGD, v_TGD, seq, window=self.window, scale=1.0,
+                      image_spans=self.window is not None)  # fmt: skip
 
 
 class Gemma4Router(nn.Module):
@@ -440,9 +445,13 @@ class Gemma4Backbone(Backbone):
         proj_TLP = (self.per_layer_model_projection(x_TD) * x_TD.shape[-1] ** -0.5).view(T, L, P)
         return (self.per_layer_projection_norm(proj_TLP) + token_TLP) * 2.0**-0.5
 
-    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo):
-        x_TD = self.embed_tokens(input_ids_T)
-        ple_TLP = self.per_layer_inputs(input_ids_T, x_TD)
+    def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, x_TD=None, ple_ids_T=None):
+        """`x_TD`: the embedding stage's output (image features in their rows,
+        models/gemma4_image.py), `ple_ids_T` the ids the per-layer inputs look up (the pad
+        token at image rows); by default both from `input_ids_T`."""
+        x_TD = self.embed_tokens(input_ids_T) if x_TD is None else x_TD
+        ple_ids_T = input_ids_T if ple_ids_T is None else ple_ids_T
+        ple_TLP = self.per_layer_inputs(ple_ids_T, x_TD)
         tables = self.rope_tables(seq, x_TD.dtype)
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
@@ -456,9 +465,17 @@ class Gemma4Backbone(Backbone):
 
 
 def build(cfg: Gemma4Config) -> CausalLM:
+    """The text model; with its vision tower (models/gemma4_image.py) for a `gemma4`
+    config.json with a `vision_config`."""
     windows = sliding_windows(cfg.sliding_window, cfg.layer_types, cfg.num_hidden_layers)
     layers = [Gemma4DecoderLayer(cfg, i, w) for i, w in enumerate(windows)]
+    if has_image_side(cfg):
+        return Gemma4ImageTextLM(cfg, Gemma4Backbone(cfg, layers))
     return CausalLM(cfg, Gemma4Backbone(cfg, layers), logit_softcap=cfg.final_softcap)
+
+
+def has_image_side(cfg: Gemma4Config) -> bool:
+    return cfg.model_type == "gemma4" and "vision_config" in cfg.hf
 
 
 class Gemma4Weights(WeightMap):
@@ -468,9 +485,12 @@ class Gemma4Weights(WeightMap):
     def __init__(self, cfg: Gemma4Config) -> None:
         super().__init__(cfg)
         self.layouts = MULTIMODAL_LAYOUTS if cfg.model_type == "gemma4" else ()
+        self.passthrough = MULTIMODAL_PASSTHROUGH
+        if has_image_side(cfg):  # the tower and its embedder are ours (gemma4_image.py)
+            self.layouts, self.passthrough = IMAGE_TEXT_LAYOUTS, AUDIO_PASSTHROUGH
 
     def is_passthrough(self, name: str) -> bool:
-        return bool(self.layouts) and name.startswith(MULTIMODAL_PASSTHROUGH)
+        return bool(self.layouts) and name.startswith(self.passthrough)
 
     def load(self, model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
         if name.endswith(".layer_scalar"):

@@ -114,7 +114,7 @@ def _tokenize_source(objective: Any, tokenizer: Any, rows: Any, source: str, wha
 def image_implementation(cfg: RunConfig, examples: list) -> str | None:
     """ "transformers" when the data holds image rows and `model.implementation: auto` would
     take a native family that trains text only while the generic image-text path trains the
-    checkpoint's image side (models.IMAGE_TEXT_ON_GENERIC: Gemma 4); else None."""
+    checkpoint's image side (models.IMAGE_TEXT_ON_GENERIC, empty now); else None."""
     from slipstream.checkpoint.model_type import model_config
     from slipstream.data.vision import ImageExample
     from slipstream.models import image_text_implementation
@@ -315,3 +315,23 @@ def vision_training(model: Any, vision: Any, finetune: str, before_lora: bool) -
     elif finetune == "full":
         for part, path in parts.items():
             model.get_submodule(path).requires_grad_(modes[part] == "full")
+    else:
+        _check_vision_lora(model, parts, asked)
+
+
+def _check_vision_lora(model: Any, parts: dict[str, str], asked: dict[str, str]) -> None:
+    """A one-line error when `vision.<part>: lora` wrapped none of that part's linears (the
+    lora targets name none of them: Gemma 4's tower calls its linears `linear`)."""
+    from slipstream.peft.lora import lora_modules
+
+    wrapped = list(lora_modules(model))
+    for part in (p for p, mode in asked.items() if mode == "lora"):
+        prefix = f"{parts[part]}."
+        if any(n.startswith(prefix) for n in wrapped):
+            continue
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if n.startswith(prefix) and isinstance(m, torch.nn.Linear)})  # fmt: skip
+        raise ValueError(
+            f"vision.{part}=lora, but lora.targets name none of its linear layers "
+            f"({', '.join(names) or 'none'}): add them to lora.targets or use all-linear"
+        )
