@@ -9,7 +9,9 @@ Models are random-initialised with real shapes (no weights): Qwen3-0.6B, Qwen3-8
 the `gpt_oss` family exists a GPT-OSS-20B-shaped MoE, and last (the first rows the time
 guard cuts) Qwen3.5-9B and Qwen3.5-35B-A3B (hybrid Gated DeltaNet; fla's kernels when
 flash-linear-attention imports), Gemma 4 E4B (per-layer inputs, K/V sharing) and 26B-A4B
-(MoE). Every row trains at 16k tokens per step (16 packed sequences), bf16, LoRA r=16
+(MoE), and Qwen2.5-VL-7B on image rows (gpu_vision_row.py: 16 images of mixed grids packed
+with their text, ~16k tokens, images/s beside tokens/s; the tower frozen, no MFU). Every text
+row trains at 16k tokens per step (16 packed sequences), bf16, LoRA r=16
 alpha=32 on all linear layers unless it says "full".
 Step = summed loss / labelled tokens, backward, clip, fused AdamW, zero_grad.
 - ours: everything on (LoRA, offload with double-buffered reloads, metadata built once);
@@ -50,6 +52,9 @@ from typing import Any
 import common
 import torch
 from gpu_rows import OursCache, Setup, Variant, free_memory, generate_row, grpo_row, ours_row
+from gpu_vision_row import MODEL as VISION_MODEL
+from gpu_vision_row import shapes as vision_shapes
+from gpu_vision_row import vision_row
 from hf_baseline import hf_row
 
 H200_PEAK = 989e12
@@ -103,9 +108,12 @@ def variants(has_moe_family: bool) -> list[Variant]:
         Variant("ours, everything on", "gemma4-26b-a4b", need_s=90),
         Variant("transformers + PEFT", "gemma4-26b-a4b", impl="hf", need_s=120),
     ]
+    vision = [  # image rows: cut by the time guard before the text rows above
+        Variant("ours, everything on (image rows)", VISION_MODEL, impl="vision", need_s=90),
+    ]
     if has_moe_family:
-        return rows[:5] + moe[:1] + rows[5:] + moe[1:] + qwen35 + gemma4
-    return rows + [Variant(v.name, v.model, impl="skip") for v in moe] + qwen35 + gemma4
+        return rows[:5] + moe[:1] + rows[5:] + moe[1:] + qwen35 + gemma4 + vision
+    return rows + [Variant(v.name, v.model, impl="skip") for v in moe] + qwen35 + gemma4 + vision
 
 
 class RowTimeout(Exception):
@@ -130,7 +138,7 @@ def run_row(v: Variant, setup: Setup) -> dict:
     signal.setitimer(signal.ITIMER_REAL, max(left, 1.0))
     t0 = time.monotonic()
     try:
-        rows = {"hf": hf_row, "generate": generate_row, "grpo": grpo_row}
+        rows = {"hf": hf_row, "generate": generate_row, "grpo": grpo_row, "vision": vision_row}
         row.update(rows.get(v.impl, ours_row)(v, setup))
         row["status"] = "ok"
     except Exception as e:  # one failing row must not stop the suite
@@ -141,7 +149,9 @@ def run_row(v: Variant, setup: Setup) -> dict:
         signal.setitimer(signal.ITIMER_REAL, 0)
         free_memory()
     row["row s"] = time.monotonic() - t0
-    if "step s" in row:
+    if "step s" in row and v.impl == "vision":  # its own batch; MFU would need the tower's
+        row["tokens/s"] = row["tokens"] / row["step s"]  # forward-only FLOPs: not given
+    elif "step s" in row:
         tokens = sum(setup.lengths)
         row["tokens/s"] = tokens / row["step s"]
         flops = common.step_flops(hf, lora=v.lora)
@@ -153,7 +163,7 @@ def run_row(v: Variant, setup: Setup) -> dict:
 
 # ----------------------------------------------------------------------------- main
 
-COLUMNS = ["model", "layers", "variant", "attention", "packing", "tokens/s", "step s",
+COLUMNS = ["model", "layers", "variant", "attention", "packing", "tokens/s", "images/s", "step s",
            "peak GB", "MFU %", "vs ours", "syncs/step", "cuda sync warnings", "H2D GB/s",
            "exposed copy ms/step", "status"]  # fmt: skip
 
@@ -211,6 +221,7 @@ def make_setup(args) -> Setup:
             )
             small["layer_types"] = ["sliding_attention", "full_attention"] * 2
             shapes[name] = common.hf_config("gemma4_text", **small)
+        shapes[VISION_MODEL] = vision_shapes(dry=True)
         lengths = common.split_lengths(192, 4)
         return Setup(torch.device("cpu"), torch.float32, lengths, 1, 1, True, deadline, shapes)
     if not torch.cuda.is_available():
@@ -224,6 +235,7 @@ def make_setup(args) -> Setup:
         s = SHAPES["gpt-oss-20b"]
         shapes["gpt-oss-20b"] = common.hf_config("gpt_oss", **{k: v for k, v in s.items()
                                                                if k != "model_type"})  # fmt: skip
+    shapes[VISION_MODEL] = vision_shapes(dry=False)
     lengths = common.split_lengths(args.tokens, args.tokens // 1024)
     return Setup(torch.device("cuda"), torch.bfloat16, lengths, 2, 3, False, deadline, shapes)
 

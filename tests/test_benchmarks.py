@@ -38,6 +38,7 @@ import bench_syncs  # noqa: E402
 import bench_vision  # noqa: E402
 import common  # noqa: E402
 import gpu_suite  # noqa: E402
+import gpu_vision_row  # noqa: E402
 
 
 def table_header(text: str, columns: list[str]) -> None:
@@ -179,11 +180,24 @@ def test_gpu_suite_dry_run_all(tmp_path, capsys):
     rows = gpu_suite.main(["--dry-run", "--out", str(tmp_path / "suite.json")])
     models = {"qwen3-0.6b", "qwen3-8b"} | ({"gpt-oss-20b"} if "gpt_oss" in FAMILIES else set())
     models |= {"qwen3.5-9b", "qwen3.5-35b-a3b"}
-    models |= {"gemma4-e4b", "gemma4-26b-a4b"}
+    models |= {"gemma4-e4b", "gemma4-26b-a4b", "qwen2.5-vl-7b"}
     check_suite_rows(rows, capsys.readouterr().out, models)
     loop = [r for r in rows if r["variant"].startswith("MoE one-pass off")]
     if "gpt_oss" in FAMILIES:
         assert loop and loop[0]["syncs/step"] > 0  # torch.where per expert
+
+
+def test_gpu_suite_dry_run_image_rows(tmp_path, capsys):
+    """The Qwen2.5-VL image row on a tiny model: packed image rows through the native
+    family's tower and mRoPE, offload on, no host sync in the step."""
+    rows = gpu_suite.main(["--dry-run", "--only", "qwen2.5-vl", "--out", str(tmp_path / "s.json")])
+    assert "images/s" in capsys.readouterr().out
+    (row,) = rows
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["syncs/step"] == 0, row.get("sync sites")
+    assert row["images"] == 4 and row["images/s"] > 0 and row["tokens/s"] > 0
+    assert row["tokens"] > sum(gpu_vision_row.examples(gpu_vision_row.shapes(True), True)[0]
+                               .image_tokens)  # fmt: skip
 
 
 def test_gpu_suite_time_guard_skips(monkeypatch):
