@@ -475,7 +475,7 @@ def build(cfg: Gemma4Config) -> CausalLM:
 
 
 def has_image_side(cfg: Gemma4Config) -> bool:
-    return cfg.model_type == "gemma4" and "vision_config" in cfg.hf
+    return cfg.model_type == "gemma4" and bool(cfg.hf.get("vision_config"))
 
 
 class Gemma4Weights(WeightMap):
