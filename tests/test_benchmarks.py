@@ -255,6 +255,7 @@ def test_vision_trl_quick(capsys):
     assert row["slipstream_s"] > 0 and row["trl_s"] > 0 and row["trl_steps"] > 0
 
 
+@pytest.mark.slow  # ~20 s
 def test_dpo_quick(capsys):
     """Both sides train on the same tokens; TRL pads them, we do not (~30 s on 1 thread)."""
     row = bench_dpo.main(["--quick"])
@@ -292,6 +293,7 @@ def test_gemma4_quick(capsys):
         )
 
 
+@pytest.mark.slow  # ~10 s
 def test_generic_quick(capsys):
     """Native and generic families on one checkpoint give the same loss with 0 syncs; the
     generic packed step and transformers + PEFT's padded one train the same tokens from the
@@ -336,6 +338,7 @@ def test_eval_quick(capsys):
     assert all(r["requests/s"] > 0 and r["max |Δ log-lik|"] < 1e-2 for r in rows)
 
 
+@pytest.mark.slow  # ~20 s
 def test_peers_quick(tmp_path, capsys):
     """bench_peers end to end for slipstream alone (the peers need their own venvs) in bf16
     (one worker process: ~13 s of CPU; float32 is the same code with the other dtype): the

@@ -78,7 +78,7 @@ def test_trainer_compile_option_keeps_the_losses(tiny_run, tmp_path):
     assert outs[True] == pytest.approx(outs[False], abs=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_sliding_and_full_layers_share_the_compiled_attention(family):
     """The window is read outside the compiled graph: alternating sliding/full layers compile
     no more graphs than a model whose layers all attend fully (before: one variant each)."""
@@ -102,6 +102,7 @@ def test_sliding_and_full_layers_share_the_compiled_attention(family):
     assert graphs[True] == graphs[False] > 0
 
 
+@pytest.mark.slow  # ~17 s of compiling
 def test_tiled_mlp_under_compile_matches_eager():
     """train.mlp_tiles with train.compile: the compiled tiled MLP (each tile checkpointed
     inside the compiled region) gives eager's tiled loss and gradients, lengths changing

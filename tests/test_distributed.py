@@ -111,6 +111,7 @@ def test_fsdp_checkpoint_is_sharded_and_resumes(runs, tiny_run, tmp_path):  # no
     assert_same_run(runs / "fsdp", out, steps=range(4, STEPS + 1))
 
 
+@pytest.mark.slow  # ~15 s (torchrun); test_reliability refuses a planted pickle by default
 def test_fsdp_resume_refuses_a_planted_metadata_pickle(runs, tiny_run, tmp_path):  # noqa: F811
     """`.metadata` is a pickle torch.distributed.checkpoint would load as is: a payload in a
     checkpoint someone shipped (manifest rewritten, so intact) is refused on every rank."""
@@ -140,6 +141,7 @@ def test_resume_with_another_world_size_is_an_error(runs, tiny_run, tmp_path):  
         train(config_from_dict(raw))
 
 
+@pytest.mark.slow  # ~21 s (torchrun)
 def test_full_finetune_defaults_to_fsdp_and_exports_the_full_model(tiny_run, tmp_path):  # noqa: F811
     """parallel=auto shards a full fine-tune; rank 0 writes the gathered weights."""
     single, multi = tmp_path / "single", tmp_path / "multi"

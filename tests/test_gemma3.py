@@ -161,6 +161,7 @@ def test_lora_step_with_offload_is_sync_free_and_exact(hf_dir):
     assert all(g.abs().max() > 0 for g in grads)
 
 
+@pytest.mark.slow  # ~20 s of compiling; tests/test_compile.py covers compile by default
 def test_regional_compile_matches_eager_and_shares_graphs(hf_dir, monkeypatch):
     """self_attn and mlp of every layer compile (aot_eager on CPU) under offload and give
     eager's grads; sliding and full layers share graphs and a new batch length reuses them

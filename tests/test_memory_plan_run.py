@@ -96,6 +96,7 @@ def generic_run(tmp_path_factory):
     return make_tiny_type_run(root, "olmo2", hidden_size=32, intermediate_size=64)
 
 
+@pytest.mark.slow  # ~25 s
 def test_plan_and_auto_tiling_on_a_generic_model(generic_run, tmp_path, monkeypatch, capsys):
     """`slipstream plan` and `train.mlp_tiles: auto` on transformers' layers: the plan prints,
     and a budget only the tiled step fits makes the run tile transformers' MLPs."""

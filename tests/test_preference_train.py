@@ -188,8 +188,15 @@ def test_eval_keeps_no_autograd_graph(tiny, tmp_path, monkeypatch):
     assert {grad for training, grad in seen if not training} == {False}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("reference", ["start", "base"])
+@pytest.mark.parametrize(  # the default suite keeps one (~20 s each: torchrun)
+    "reference, mode",
+    [
+        pytest.param("start", "ddp", marks=pytest.mark.slow),
+        pytest.param("base", "ddp", marks=pytest.mark.slow),
+        pytest.param("start", "fsdp", marks=pytest.mark.slow),
+        ("base", "fsdp"),
+    ],
+)
 def test_two_ranks_match_one_process(tiny, tmp_path, reference, mode):
     """DPO with LoRA from a (non-zero) adapter under DDP and FSDP2, 2 gloo ranks with
     grad_accum 1 against one process with grad_accum 2: the same losses, rewards, grad norms,

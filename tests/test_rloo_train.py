@@ -78,6 +78,7 @@ def test_config_errors(tiny, tmp_path):  # noqa: F811
     assert json.dumps(rloo_config(tiny, tmp_path))  # plain data
 
 
+@pytest.mark.slow  # ~21 s (torchrun); GRPO's 2-rank test (the same engine) runs by default
 def test_two_ranks_match_one_process(tiny, tmp_path):  # noqa: F811
     """2 gloo ranks (DDP, grad_accum 1 each) repeat one process with grad_accum 2, with a KL
     penalty and normalised advantages: each prompt batch samples with the seed of its place

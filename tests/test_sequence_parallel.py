@@ -52,7 +52,7 @@ def test_split_refuses_fewer_tokens_than_ranks():
 
 @pytest.mark.parametrize("models", [
     ("llama", "gpt_oss", "gemma3_text"),
-    ("olmo2", "mixtral"),  # the generic family: transformers' modeling code
+    pytest.param(("olmo2", "mixtral"), marks=pytest.mark.slow),  # the generic family
 ])  # fmt: skip
 def test_two_ranks_step_equals_the_whole_batch(tmp_path, models):
     # As a module of tests/: the script's own folder on sys.path would shadow `tokenizers`
@@ -105,7 +105,9 @@ def sp_config(sp_data, out, **train):
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "parallel", [pytest.param(p, marks=pytest.mark.slow) for p in ("ddp", "fsdp")]
+)
 def test_two_rank_sequence_parallel_run_matches_one_process(sp_data, tmp_path, parallel):
     """DDP, and FSDP2 (each decoder layer sharded over both ranks, the 2-D mesh's one data
     group), with the micro-batches split by sequence: one process's run."""

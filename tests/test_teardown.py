@@ -29,7 +29,7 @@ RACE, END_PATHS = ["-m", "tests.helpers.teardown_race"], ["-m", "tests.helpers.e
 EXIT_BOUND_S = 60
 
 
-@pytest.mark.parametrize("mode", ["teardown", "close"])
+@pytest.mark.parametrize("mode", ["teardown", pytest.param("close", marks=pytest.mark.slow)])
 def test_teardown_with_pending_work_and_a_wrapper_ends(tmp_path, mode):
     """Both ranks tear down while a collective is pending (rank 1 joins it 2 s late) and a
     DDP wrapper is alive: each waits for the collective, no more, and gloo's threads are
