@@ -16,8 +16,9 @@ image sequence are never targets.
 `image_grid_thw`, `image_sizes`), concatenated over the example's images along dim 0, and
 the id of the token whose rows receive the image features; the collator (data/collate.py)
 concatenates them over the batch and builds the rows those features fill on the host, and,
-for the towers slipstream runs itself (Qwen-VL's, Mistral 3's Pixtral, Gemma 4's), their
-host-built metadata (data/qwen_vit_meta.py, pixtral_meta.py, gemma4_meta.py).
+for the towers slipstream runs itself (Qwen-VL's, Mistral 3's Pixtral, Gemma 4's,
+Idefics3's), their host-built metadata (data/qwen_vit_meta.py, pixtral_meta.py,
+gemma4_meta.py, idefics3_meta.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 
 from slipstream.data.gemma4_meta import GEMMA4_TYPES, Gemma4Geometry
 from slipstream.data.gemma4_meta import KEYS as GEMMA4_KEYS
+from slipstream.data.idefics3_meta import IDEFICS3_TYPES, Idefics3Geometry
+from slipstream.data.idefics3_meta import KEYS as IDEFICS3_KEYS
 from slipstream.data.images import vision_messages
 from slipstream.data.labels import Example, encode_chat
 from slipstream.data.mrope import mrope_positions
@@ -73,9 +76,9 @@ class ImageExample(Example):
     positions_3d: list[list[int]] | None = None  # Qwen-VL's mRoPE positions (data/mrope.py)
     bidirectional: bool = False  # each image's rows see one another (BIDIRECTIONAL_TYPES)
     # A tower whose inputs are built at packing (Qwen-VL's, data/qwen_vit_meta.py; Pixtral's,
-    # data/pixtral_meta.py; Gemma 4's, data/gemma4_meta.py): `tower.metadata(images)` over
-    # the batch's concatenated images.
-    tower: VitGeometry | PixtralGeometry | Gemma4Geometry | None = None
+    # data/pixtral_meta.py; Gemma 4's, data/gemma4_meta.py; Idefics3's, data/idefics3_meta.py):
+    # `tower.metadata(images)` over the batch's concatenated images.
+    tower: VitGeometry | PixtralGeometry | Gemma4Geometry | Idefics3Geometry | None = None
 
     def feature_rows(self) -> list[int]:
         """The token positions that receive image features, in order (host scan)."""
@@ -202,6 +205,8 @@ class ImageProcessing:
             self.tower = PixtralGeometry.of(config)
         elif self.model_type in GEMMA4_TYPES:
             self.tower = Gemma4Geometry.of(config)
+        elif self.model_type in IDEFICS3_TYPES:
+            self.tower = Idefics3Geometry.of(config)
         if self.placeholder is None:  # the template prints the image token itself
             self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.added_ids = set(tokenizer.get_added_vocab().values())
@@ -405,5 +410,6 @@ def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:
     or None without images."""
     if "image_rows" not in fields:
         return None
-    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS)
+    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS,
+             *IDEFICS3_KEYS)  # fmt: skip
     return {k: v for k, v in fields.items() if k in names}

@@ -5,9 +5,10 @@ The language model is transformers' own (packed through our attention function, 
 generic model); the vision tower and projector run transformers' code too, with their own
 attention ("sdpa"), except Qwen-VL's (`VIT_TYPES`): slipstream's tower (models/qwen_vit.py)
 takes `model.visual`'s place around the same parameters and runs over the collator's
-host-built metadata, the images packed by their own lengths; and Mistral 3's and Gemma 4's,
-run by slipstream's passes over transformers' own modules (models/pixtral_tower.py,
-models/gemma4_tower.py) on host-built inputs, real patches only. One micro-batch runs the tower
+host-built metadata, the images packed by their own lengths; and Mistral 3's, Gemma 4's and
+Idefics3's / SmolVLM's, run by slipstream's passes over transformers' own modules
+(models/pixtral_tower.py, gemma4_tower.py: real patches only; idefics3_tower.py) on
+host-built inputs. One micro-batch runs the tower
 once over all its images (`get_image_features`), and the features are written into the
 packed rows the collator found on the host (`images["image_rows"]`, data/vision.py) by
 `index_copy`: no `input_ids == image_token_id` on the device, no boolean mask, no host sync.
@@ -25,11 +26,13 @@ from torch import nn
 
 from slipstream.data.gemma4_meta import KEYS as GEMMA4_KEYS
 from slipstream.data.gemma4_meta import PATCHES as GEMMA4_PATCHES
+from slipstream.data.idefics3_meta import KEYS as IDEFICS3_KEYS
+from slipstream.data.idefics3_meta import POSITION_IDS as IDEFICS3_POSITIONS
 from slipstream.data.pixtral_meta import KEYS as PIXTRAL_KEYS
 from slipstream.data.pixtral_meta import PATCHES as PIXTRAL_PATCHES
 from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
 from slipstream.data.qwen_vit_meta import VIT_TYPES
-from slipstream.models import gemma4_tower, generic, pixtral_tower
+from slipstream.models import gemma4_tower, generic, idefics3_tower, pixtral_tower
 from slipstream.models.generic import GenericCausalLM, config_from_hf
 from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.spec import FamilySpec
@@ -148,8 +151,11 @@ class GenericImageTextLM(GenericCausalLM):
         if GEMMA4_PATCHES in images:  # Gemma 4: slipstream's pass over its tower (no sync)
             inner = self.hf.model
             return gemma4_tower.image_features(inner.vision_tower, inner.embed_vision, images), []
+        if IDEFICS3_POSITIONS in images:  # Idefics3, SmolVLM: slipstream's pass (no sync)
+            inner = self.hf.model
+            return idefics3_tower.image_features(inner.vision_model, inner.connector, images), []
         # slipstream's entries, not the model's
-        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS)
+        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS, *IDEFICS3_KEYS)
         kwargs = {k: v for k, v in images.items() if k not in ours}
         pixels = kwargs.pop("pixel_values")
         if self.config.model_type in CROPS:  # every crop its own "batch row" of one image
