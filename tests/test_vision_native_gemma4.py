@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-import yaml
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
-    assert_lora_grads_match,
-    peft_summed_loss,
+    lora_step_matches_peft,
+    packed_equals_alone,
     random_image,
+    run_config,
     vlm_folder,
-    write_images,
+    write_picture_rows,
 )
 from peft import PeftModel
 
@@ -121,30 +121,10 @@ def test_image_features_equal_transformers(vlm):
 def test_loss_lora_grads_and_packing_equal_transformers(vlm, tmp_path, tower):
     folder, _, side, examples = vlm
     ours = _native(folder, tower)
-    wrapped = list(slipstream.peft.lora.lora_modules(ours))
-    on_tower = [n for n in wrapped if n.startswith("vision_tower.")]
-    assert bool(on_tower) == (tower == "lora") and len(wrapped) > len(on_tower)
-    slipstream.save_adapter(ours, tmp_path)
-    b = collate(examples)
-    images = image_inputs(b.fields)
-    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
-                     label_positions=b.label_positions, images=images)  # fmt: skip
-    loss.backward()
-    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
-    theirs = [n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")]
-    assert len(theirs) == len(wrapped)  # the same modules wrapped in peft, tower or not
-    ref = peft_summed_loss(peft_model, examples, lambda ex: _hf_inputs(ex, side))
-    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
-    assert_lora_grads_match(ours, peft_model)
-    if tower == "lora":  # the tower's adapters got gradients
-        grads = [p.grad for n, p in ours.named_parameters() if n.startswith("vision_tower.")
-                 and p.requires_grad]  # fmt: skip
-        assert grads and all(g is not None and g.abs().max() > 0 for g in grads)
+    hf_inputs = lambda ex: _hf_inputs(ex, side)  # noqa: E731
+    peft_model, images = lora_step_matches_peft(ours, folder, examples, hf_inputs, tmp_path, tower)
     with torch.no_grad():
-        packed = ours(b.input_ids, b.seq, images=images)
-        alone = [ours(c.input_ids, c.seq, images=image_inputs(c.fields))
-                 for c in (collate([ex]) for ex in examples)]  # fmt: skip
-        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        _, alone = packed_equals_alone(ours, examples, images)
         for ex, got in zip(examples, alone):
             expected = peft_model(**_hf_inputs(ex, side)).logits[0]
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -229,28 +209,10 @@ def test_cli_run_on_image_rows_is_native_and_its_adapter_loads_in_peft(vlm, tmp_
     from slipstream import cli
 
     folder, *_ = vlm
-    (tmp_path / "pics").mkdir()
-    names = write_images(tmp_path / "pics", [(40, 60), (30, 30)])
-    rows = []
-    for i in range(6):
-        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-        turns = [{"role": "user", "content": parts},
-                 {"role": "assistant", "content": f"Picture {i % 2}."}]  # fmt: skip
-        rows.append({"messages": turns, "images": [f"pics/{names[i % 2]}"]})
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    raw = {
-        "model": {"path": str(folder)},
-        "data": {"train": str(data)},
-        "train": {"finetune": "lora", "lr": 1e-2, "steps": 2, "tokens_per_batch": 256,
-                  "log_every": 1, "device": "cpu"},
-        "vision": {"tower": "lora"},
-        "lora": {"rank": 4, "alpha": 8, "targets": "all-linear"},
-        "output_dir": str(out),
-    }  # fmt: skip
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
+    data, out = write_picture_rows(tmp_path, [(40, 60), (30, 30)]), tmp_path / "out"
+    config = run_config(tmp_path / "run.yaml", folder, data, out, vision={"tower": "lora"},
+                        lora={"targets": "all-linear"})  # fmt: skip
+    assert cli.main(["train", str(config)]) == 0
     log = "".join(capsys.readouterr())
     assert "native family" in log and "transformers' image-text" not in log
     losses = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -20,9 +20,14 @@ import json
 import pytest
 import torch
 import transformers
-import yaml
 from helpers.models import randomise_lora_b
-from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_image, vlm_folder
+from helpers.tiny_vlm import (
+    assert_lora_grads_match,
+    packed_equals_alone,
+    peft_summed_loss,
+    random_image,
+    vlm_folder,
+)
 from peft import PeftModel
 
 import slipstream
@@ -102,10 +107,7 @@ def test_loss_lora_grads_packing_and_peft_logits_equal_transformers(vlm, tmp_pat
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert_lora_grads_match(ours, peft_model)
     with torch.no_grad():
-        packed = ours(b.input_ids, b.seq, images=images)
-        alone = [ours(c.input_ids, c.seq, images=image_inputs(c.fields))
-                 for c in (collate([ex]) for ex in examples)]  # fmt: skip
-        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        packed, alone = packed_equals_alone(ours, examples, images)
         for ex, got in zip(examples, alone):  # the adapter in peft: equal logits
             expected = peft_model(**_hf_inputs(ex, side)).logits[0]
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=_atol(kind, expected))
@@ -182,30 +184,13 @@ def test_merged_export_and_tower_lora_load_in_transformers_and_peft(vlm, tmp_pat
 
 
 def test_a_two_step_cli_run_takes_the_native_family(vlm, tmp_path, capsys):
-    from helpers.tiny_vlm import write_images
+    from helpers.tiny_vlm import run_config, write_picture_rows
 
     from slipstream import cli
 
     kind, folder, _, _, _ = vlm
-    (tmp_path / "pics").mkdir()
-    names = write_images(tmp_path / "pics", [(50, 90), (40, 40)])
-    rows = []
-    for i in range(6):
-        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-        turns = [{"role": "user", "content": parts},
-                 {"role": "assistant", "content": f"Picture {i % 2}."}]  # fmt: skip
-        rows.append({"messages": turns, "images": [f"pics/{names[i % 2]}"]})
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    raw = {
-        "model": {"path": str(folder)}, "data": {"train": str(data)},
-        "train": {"finetune": "lora", "lr": 1e-2, "steps": 2, "tokens_per_batch": 256,
-                  "log_every": 1, "device": "cpu"},
-        "lora": {"rank": 4, "alpha": 8}, "output_dir": str(out),
-    }  # fmt: skip
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
+    data, out = write_picture_rows(tmp_path, [(50, 90), (40, 40)]), tmp_path / "out"
+    assert cli.main(["train", str(run_config(tmp_path / "run.yaml", folder, data, out))]) == 0
     assert f"{kind}: native family slipstream/models/" in capsys.readouterr().err
     losses = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in losses if "loss" in r] == [1, 2]

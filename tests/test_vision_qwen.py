@@ -11,7 +11,13 @@ import pytest
 import torch
 import transformers
 from helpers.models import randomise_lora_b
-from helpers.tiny_vlm import assert_lora_grads_match, peft_summed_loss, random_image, vlm_folder
+from helpers.tiny_vlm import (
+    assert_lora_grads_match,
+    packed_equals_alone,
+    peft_summed_loss,
+    random_image,
+    vlm_folder,
+)
 from peft import PeftModel
 
 import slipstream
@@ -80,10 +86,7 @@ def test_loss_lora_grads_and_packing_equal_transformers(qwen, tmp_path):
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert_lora_grads_match(ours, peft_model)
     with torch.no_grad():
-        packed = ours(b.input_ids, b.seq, images=images)
-        alone = [ours(c.input_ids, c.seq, images=image_inputs(c.fields))
-                 for c in (collate([ex]) for ex in examples)]  # fmt: skip
-        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        packed, alone = packed_equals_alone(ours, examples, images)
         flat = {k: v for k, v in images.items() if k != MROPE_FIELD}  # 1-D positions only
         assert (ours(b.input_ids, b.seq, images=flat) - packed).abs().max() > 1e-3
 

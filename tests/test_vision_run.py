@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from helpers.tiny_vlm import vlm_folder, write_images
+from helpers.tiny_vlm import vlm_folder, write_images, write_picture_rows
 from peft import PeftModel
 
 from slipstream import cli
@@ -164,16 +164,7 @@ def test_gemma3_image_rows_train_natively_and_generate_with_an_image(tmp_path, c
 
     root = tmp_path
     folder = vlm_folder(root / "model", "gemma3")
-    (root / "data" / "pics").mkdir(parents=True)
-    names = write_images(root / "data" / "pics", [(40, 60), (30, 30)])
-    rows = []
-    for i in range(6):
-        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-        turns = [{"role": "user", "content": parts},
-                 {"role": "assistant", "content": f"Picture {i % 2}."}]  # fmt: skip
-        rows.append({"messages": turns, "images": [f"pics/{names[i % 2]}"]})
-    data = root / "data" / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_picture_rows(root / "data", [(40, 60), (30, 30)])
     out = root / "out"
     assert cli.main(["train", str(_config((folder, data, root), out))]) == 0
     said = capsys.readouterr()
@@ -182,7 +173,7 @@ def test_gemma3_image_rows_train_natively_and_generate_with_an_image(tmp_path, c
     peft_model = PeftModel.from_pretrained(hf, out)
     lora = [n for n, _ in peft_model.named_modules() if n.endswith("lora_A")]
     assert lora and not [n for n in lora if "vision_tower" in n]
-    image = str(data.parent / "pics" / names[1])
+    image = str(data.parent / "pics" / "img1.png")  # write_images' names
     argv = ["generate", str(out), "Which is it?", "--image", image, "--max-new-tokens", "4"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]

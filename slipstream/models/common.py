@@ -432,6 +432,21 @@ def head_loss(
     return linear_cross_entropy(h_TD, weight_VD, labels_T, reduction=reduction, softcap=softcap)
 
 
+def write_image_features(
+    x_TD: torch.Tensor, feats_PD: torch.Tensor, rows_P: torch.Tensor
+) -> torch.Tensor:
+    """The embedding stage of an image-text model: the tower's feature rows written into the
+    packed rows the collator found on the host (`images["image_rows"]`, data/vision.py) by
+    `index_copy`: no `input_ids == image_token_id` on the device, no boolean mask, no sync
+    (the check compares shapes)."""
+    if feats_PD.shape[0] != rows_P.shape[0]:
+        raise ValueError(
+            f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
+            "image tokens; the data's image processor does not match this model"
+        )
+    return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+
+
 def _check_batch(input_ids_T: torch.Tensor, seq: SeqInfo) -> None:
     if input_ids_T.dim() != 1:
         raise ValueError(

@@ -51,6 +51,7 @@ from slipstream.models.common import (
     _check_batch,
     base_config_from_hf,
     sliding_windows,
+    write_image_features,
 )
 from slipstream.models.rope import RopeConfig, rope_cos_sin, rope_inv_freq
 from slipstream.models.siglip import Gemma3MultiModalProjector, SiglipConfig, SiglipVisionTower
@@ -318,12 +319,7 @@ class Gemma3ImageTextLM(CausalLM):
         if images is None:
             return x_TD
         feats_PD, rows_P = self.image_features(images), images["image_rows"]
-        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
-            raise ValueError(
-                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
-                "image tokens; the data's image processor does not match this model"
-            )
-        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+        return write_image_features(x_TD, feats_PD, rows_P)
 
     def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None):
         if images is None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from slipstream.models import gemma4_tower
-from slipstream.models.common import CausalLM, _check_batch
+from slipstream.models.common import CausalLM, _check_batch, write_image_features
 from slipstream.ops.packing import SeqInfo
 
 IMAGE_TEXT_LAYOUTS = (
@@ -84,12 +84,7 @@ class Gemma4ImageTextLM(CausalLM):
         if images is None:
             return x_TD
         feats_QD, rows_Q = self.image_features(images), images["image_rows"]
-        if feats_QD.shape[0] != rows_Q.shape[0]:  # shapes only: no sync
-            raise ValueError(
-                f"the vision tower gave {feats_QD.shape[0]} feature rows for {rows_Q.shape[0]} "
-                "image tokens; the data's image processor does not match this model"
-            )
-        return x_TD.index_copy(0, rows_Q, feats_QD.to(x_TD.dtype))
+        return write_image_features(x_TD, feats_QD, rows_Q)
 
     def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None):
         if images is None:

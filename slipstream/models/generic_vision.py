@@ -33,6 +33,7 @@ from slipstream.data.pixtral_meta import PATCHES as PIXTRAL_PATCHES
 from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
 from slipstream.data.qwen_vit_meta import VIT_TYPES
 from slipstream.models import gemma4_tower, generic, idefics3_tower, pixtral_tower
+from slipstream.models.common import write_image_features
 from slipstream.models.generic import GenericCausalLM, config_from_hf
 from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.spec import FamilySpec
@@ -102,14 +103,9 @@ class GenericImageTextLM(GenericCausalLM):
             return x_TD
         feats_PD, deepstack = self._image_features(images)
         rows_P = images["image_rows"]
-        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
-            raise ValueError(
-                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
-                "image tokens; the data's image processor does not match this model"
-            )
         # Read by the deepstack hooks of this forward (and of its recompute in backward).
         self._deepstack = (rows_P, deepstack) if deepstack else None
-        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+        return write_image_features(x_TD, feats_PD, rows_P)
 
     def _backbone_out(self, input_ids_T, seq, images=None, **kwargs):
         """The language model over the packed stream; with Qwen-VL's host-built 3-D

@@ -33,7 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from slipstream.models.common import Backbone, CausalLM, ModelConfig, RMSNorm, split_outputs
+from slipstream.models.common import (
+    Backbone,
+    CausalLM,
+    ModelConfig,
+    RMSNorm,
+    split_outputs,
+    write_image_features,
+)
 from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.rope import mrope_axes, mrope_cos_sin
 from slipstream.models.weights import WeightMap
@@ -136,12 +143,7 @@ class ImageTextBackbone(Backbone):
         x_TD = self.embed_tokens(input_ids_T)
         feats_PD, deepstack = self.visual(images["pixel_values"], images)
         rows_P = images[ROWS]
-        if feats_PD.shape[0] != rows_P.shape[0]:  # shapes only: no sync
-            raise ValueError(
-                f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
-                "image tokens; the data's image processor does not match this model"
-            )
-        return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype)), deepstack
+        return write_image_features(x_TD, feats_PD, rows_P), deepstack
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: dict | None = None):
         """-> (h_TD after the final norm, the layers' extra outputs); `images`: the batch's

@@ -65,6 +65,42 @@ def write_images(folder: Path, sizes: list[tuple[int, int]]) -> list[str]:
     return names
 
 
+def write_picture_rows(folder: Path, sizes: list[tuple[int, int]], n: int = 6) -> Path:
+    """`n` image rows asking "Which is it?" of one of the pictures of these sizes (written to
+    folder/pics, referenced by relative path), answered "Picture k."; the jsonl path."""
+    (folder / "pics").mkdir(parents=True, exist_ok=True)
+    names = write_images(folder / "pics", sizes)
+    rows = []
+    for i in range(n):
+        k = i % len(names)
+        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
+        turns = [{"role": "user", "content": parts},
+                 {"role": "assistant", "content": f"Picture {k}."}]  # fmt: skip
+        rows.append({"messages": turns, "images": [f"pics/{names[k]}"]})
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def run_config(path: Path, folder: Path, data: Path, out: Path, **sections) -> Path:
+    """A 2-step LoRA run's YAML at `path` (r4, lr 1e-2, 256 tokens a batch, CPU); `sections`
+    update the config's sections (`train={...}`, `lora={...}`, `vision={...}`)."""
+    import yaml
+
+    raw = {
+        "model": {"path": str(folder)},
+        "data": {"train": str(data)},
+        "train": {"finetune": "lora", "lr": 1e-2, "steps": 2, "tokens_per_batch": 256,
+                  "log_every": 1, "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8},
+        "output_dir": str(out),
+    }  # fmt: skip
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 def _tokenizer(out: Path, tokens: list[str], placeholder: str, named: dict | None = None):
     """`named`: model-specific special tokens the processor reads as attributes
     (`tokenizer.boi_token`: Gemma 3)."""
@@ -266,6 +302,72 @@ def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
         ref = ref + out.loss * int((labels[0, 1:] != -100).sum())
     ref.backward()
     return ref
+
+
+def assert_tower_grads_match(ours, theirs, ours_model, theirs_model, least: int = 10) -> None:
+    """The same random weighting of two towers' equal outputs backpropagated: every
+    parameter's gradient equal (1e-4 rel, 1e-5 of its largest entry), at least `least` of
+    them reached (every layer took part)."""
+    weights = torch.randn_like(theirs)
+    (theirs * weights).sum().backward()
+    (ours * weights).sum().backward()
+    grads = 0
+    for (name, p), (_, q) in zip(ours_model.named_parameters(), theirs_model.named_parameters()):
+        if q.grad is not None:
+            grads += 1
+            scale = q.grad.abs().max()
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert grads > least
+
+
+def lora_step_matches_peft(ours, folder, examples, hf_inputs, adapter_dir, tower: str):
+    """One LoRA step of our native image-text model (LoRA applied, `tower` "lora" or
+    "frozen") against transformers + peft with our saved adapter: the same modules wrapped
+    (the tower's only with tower LoRA), summed loss and every LoRA gradient equal, the
+    tower's adapters reached. -> (the peft model, the packed batch's images)."""
+    import transformers
+    from peft import PeftModel
+
+    import slipstream
+    from slipstream.data import collate
+    from slipstream.data.vision import image_inputs
+
+    tower_prefix = f"{ours.vision['tower']}."
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    on_tower = [n for n in wrapped if n.startswith(tower_prefix)]
+    assert bool(on_tower) == (tower == "lora") and len(wrapped) > len(on_tower)
+    slipstream.save_adapter(ours, adapter_dir)
+    b = collate(examples)
+    images = image_inputs(b.fields)
+    loss = ours.loss(b.input_ids, b.labels, b.seq, reduction="sum",
+                     label_positions=b.label_positions, images=images)  # fmt: skip
+    loss.backward()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf.eval(), adapter_dir, is_trainable=True).eval()
+    theirs = [n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")]
+    assert len(theirs) == len(wrapped)  # the same modules wrapped in peft, tower or not
+    ref = peft_summed_loss(peft_model, examples, hf_inputs)
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    assert_lora_grads_match(ours, peft_model)
+    if tower == "lora":  # the tower's adapters got gradients
+        grads = [p.grad for n, p in ours.named_parameters() if n.startswith(tower_prefix)
+                 and p.requires_grad]  # fmt: skip
+        assert grads and all(g is not None and g.abs().max() > 0 for g in grads)
+    return peft_model, images
+
+
+def packed_equals_alone(ours, examples, images) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Our logits of the packed micro-batch equal each example's alone (1e-4): (packed,
+    [each example's alone])."""
+    from slipstream.data import collate
+    from slipstream.data.vision import image_inputs
+
+    b = collate(examples)
+    packed = ours(b.input_ids, b.seq, images=images)
+    alone = [ours(c.input_ids, c.seq, images=image_inputs(c.fields))
+             for c in (collate([ex]) for ex in examples)]  # fmt: skip
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+    return packed, alone
 
 
 def assert_lora_grads_match(ours, peft_model) -> None:
