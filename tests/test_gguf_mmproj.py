@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers.tiny_vlm import randomise_constant_tensors, vlm_folder
+from helpers.tiny_vlm import qwen2_5_vl_as_llama_cpp, randomise_constant_tensors, vlm_folder
 from safetensors.torch import load_file, save_file
 
 from slipstream.checkpoint.gguf_export import mmproj_path
@@ -123,7 +123,41 @@ def test_idefics3_text_gguf_and_mmproj(kind, tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_qwen2_5_vl_text_gguf_and_mmproj(tmp_path):
+    folder = qwen2_5_vl_as_llama_cpp(vlm_folder(tmp_path / "q", "qwen2_5_vl"))
+    out = tmp_path / "q.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    text = fields(gguf.GGUFReader(out))
+    assert text["general.architecture"] == "qwen2vl"
+    assert text["qwen2vl.rope.dimension_sections"] == [1, 1, 2, 0]  # mrope_section, then 0
+    reader = gguf.GGUFReader(tmp_path / "mmproj-q.f32.gguf")
+    meta = fields(reader)
+    assert meta["clip.projector_type"] == "qwen2.5vl_merger" and meta["clip.use_silu"] is True
+    assert meta["clip.vision.n_wa_pattern"] == 2  # every 2nd block full: fullatt [1]
+    assert meta["clip.vision.block_count"] == 2 and meta["clip.vision.projection_dim"] == 32
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    saved = load_file(folder / "model.safetensors")  # transformers writes `visual.*` here
+    hf = {k.removeprefix("model."): v for k, v in saved.items()}
+    conv = hf["visual.patch_embed.proj.weight"]  # (D, C, 2, p, p): a Conv2d per frame
+    for k, name in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+        assert torch.equal(tensors[name].reshape(conv[:, :, k].shape), conv[:, :, k])
+    qkv = hf["visual.blocks.1.attn.qkv.weight"].chunk(3)
+    for part, w in zip("qkv", qkv):
+        assert torch.equal(tensors[f"v.blk.1.attn_{part}.weight"].reshape(w.shape), w)
+    assert "v.blk.0.attn_qkv.weight" not in tensors and "mm.2.weight" in tensors
+    assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
+
+
+def test_a_qwen2_5_vl_tower_llama_cpp_would_run_differently_is_one_line(tmp_path, capsys):
+    folder = vlm_folder(tmp_path / "q", "qwen2_5_vl")  # a 56-px window: llama.cpp fixes 112
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "window_size 56 (llama.cpp: 112)" in err
+    assert not (folder / "gguf").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen3_vl"])
 def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_path, capsys):
     folder = vlm_folder(tmp_path / kind, kind)
     capsys.readouterr()  # what building the checkpoint printed
@@ -131,7 +165,7 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
-    assert "supported: gemma3, idefics3, smolvlm." in err
+    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl." in err
     assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 

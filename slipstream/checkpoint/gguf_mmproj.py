@@ -45,7 +45,6 @@ NOT_WRITTEN = {
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
-    "qwen2_5_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
 # A SigLIP/CLIP encoder layer under transformers' names -> the gguf package's tensor.
@@ -73,7 +72,12 @@ class MmprojSpec:
 
     projector: str
     write_metadata: Callable[[Any, dict, dict], None]
-    rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]
+    # -> (name, tensor), [(name, tensor), ...] for a tensor llama.cpp splits, or None
+    rename: Callable[[str, torch.Tensor], Any]
+    # vision_config under the keys write_vision_metadata reads (SigLIP's: as it is)
+    vision: Callable[[dict], dict] = lambda hf: hf["vision_config"]
+    # why llama.cpp would run this config's tower differently (a line), or None
+    check: Callable[[dict], str | None] = lambda hf: None
 
 
 def is_image_text(hf: dict) -> bool:
@@ -85,7 +89,8 @@ def mmproj_refusal(hf: dict) -> str | None:
     """One line saying why no mmproj is written for this image-text config; None: supported."""
     kind = hf.get("model_type", "")
     if kind in SPECS:
-        return None
+        why = SPECS[kind].check(hf)
+        return None if why is None else f"no GGUF mmproj for this {kind}: {why}."
     why = NOT_WRITTEN.get(kind, "slipstream does not know its vision tower's llama.cpp layout")
     return f"no GGUF mmproj for model_type {kind!r}: {why}; supported: {', '.join(SPECS)}."
 
@@ -165,7 +170,9 @@ def vision_tensors(folder: Path, spec: MmprojSpec) -> Iterator[tuple[str, torch.
                 if name.startswith(("language_model.", "text_model.", "lm_head.")):
                     continue
                 out = spec.rename(name, f.get_tensor(key))
-                if out is not None:
+                if isinstance(out, list):
+                    yield from out
+                elif out is not None:
                     yield out
 
 
@@ -186,7 +193,7 @@ def _write(folder: Path, hf: dict, processor: dict, out: str, type: str) -> None
     w.add_type(gguf.GGUFType.MMPROJ)
     w.add_name(folder.resolve().name)
     w.add_file_type(int(file_type))
-    write_vision_metadata(w, hf, processor)
+    write_vision_metadata(w, {**hf, "vision_config": spec.vision(hf)}, processor)
     w.add_clip_projector_type(spec.projector)
     spec.write_metadata(w, hf, processor)
     for name, t in vision_tensors(folder, spec):  # the table first (llama.cpp reads it first)
@@ -317,8 +324,79 @@ def _idefics3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | N
 
 
 IDEFICS3 = MmprojSpec("idefics3", _idefics3_metadata, _idefics3_rename)
+
+
+# --- Qwen2.5-VL: its windowed ViT (RMSNorm, SwiGLU, 2-D RoPE), the 2 x 2 patch merger ---
+# What llama.cpp's qwen2.5vl graph fixes (clip.cpp, llama-cpp-python 0.3.36): a merge of 2, an
+# attention window of 112 px, temporal patches of 2, the tower's RoPE base 10000.
+QWEN25VL_FIXED = {"spatial_merge_size": 2, "window_size": 112, "temporal_patch_size": 2}
+
+
+def _qwen25vl_vision(hf: dict) -> dict:
+    v = hf["vision_config"]
+    return {**v, "image_size": v.get("image_size", 560), "num_hidden_layers": v["depth"],
+            "num_attention_heads": v["num_heads"], "layer_norm_eps": 1e-6}  # fmt: skip
+
+
+def _qwen25vl_check(hf: dict) -> str | None:
+    v = hf.get("vision_config") or {}
+    differ = [f"{k} {v[k]} (llama.cpp: {want})" for k, want in QWEN25VL_FIXED.items()
+              if v.get(k, want) != want]  # fmt: skip
+    theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if theta != 10000.0:
+        differ.append(f"the tower's RoPE base {theta:g} (llama.cpp: 10000)")
+    if v.get("hidden_act", "silu") != "silu":
+        differ.append(f"hidden_act {v['hidden_act']} (llama.cpp: silu)")
+    full = list(v.get("fullatt_block_indexes") or [])
+    pattern = full[0] + 1 if full else 0
+    if not full or full != list(range(pattern - 1, int(v.get("depth", 0)), pattern)):
+        differ.append(f"fullatt_block_indexes {full} (llama.cpp: every n-th block to the last)")
+    if differ:
+        return "llama.cpp's qwen2.5vl graph fixes what this tower sets otherwise: " + "; ".join(
+            differ
+        )
+    return None
+
+
+def _qwen25vl_metadata(w: Any, hf: dict, processor: dict) -> None:
+    w.add_vision_use_silu(True)
+    w.add_vision_n_wa_pattern(int(hf["vision_config"]["fullatt_block_indexes"][0]) + 1)
+    w.add_vision_spatial_merge_size(2)
+
+
+def _qwen25vl_rename(name: str, t: torch.Tensor) -> Any:
+    import gguf
+
+    if not name.startswith("visual."):
+        return None
+    if name == "visual.patch_embed.proj.weight":  # Conv3d (D, C, 2, p, p): a Conv2d per frame
+        patch = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH]
+        return [(f"{patch}.weight", t[:, :, 0]), (f"{patch}.weight.1", t[:, :, 1])]
+    if ".attn.qkv." in name:  # fused q, k, v rows: three tensors
+        return [_qwen25vl_name(name.replace(".qkv.", f".{p}."), x)
+                for p, x in zip("qkv", t.chunk(3, dim=0), strict=True)]  # fmt: skip
+    return _qwen25vl_name(name, t)
+
+
+def _qwen25vl_name(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 256)
+    out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if out is None:
+        raise ValueError(f"GGUF mmproj: no llama.cpp name for Qwen2.5-VL tensor {name!r}.")
+    return out, t.contiguous()
+
+
 SPECS = {
     "gemma3": MmprojSpec("gemma3", _gemma3_metadata, _gemma3_rename),
     "idefics3": IDEFICS3,
     "smolvlm": IDEFICS3,
+    "qwen2_5_vl": MmprojSpec(
+        "qwen2.5vl_merger",
+        _qwen25vl_metadata,
+        _qwen25vl_rename,
+        _qwen25vl_vision,
+        check=_qwen25vl_check,
+    ),
 }

@@ -141,6 +141,9 @@ class GGUFSpec:
 IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
 
 
+QWEN_VL_TEXT = ("qwen2_5_vl",)  # native image-text types whose language model exports alone
+
+
 def text_hf(cfg: Any) -> dict:
     """config.json of the language model (a multimodal Gemma 3's, Idefics3's text_config)."""
     hf = cfg.hf
@@ -148,6 +151,8 @@ def text_hf(cfg: Any) -> dict:
         return {**hf.get("text_config", {}), "model_type": "gemma3_text"}
     if cfg.model_type in IMAGE_TEXT_LM:
         return {"model_type": "llama", **hf.get("text_config", {})}
+    if cfg.model_type in QWEN_VL_TEXT:  # the text part, its mRoPE sections kept
+        return {**hf, **(hf.get("text_config") or {}), "model_type": cfg.model_type}
     return hf
 
 

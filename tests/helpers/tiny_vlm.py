@@ -292,6 +292,26 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None 
     return out
 
 
+def qwen2_5_vl_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
+    """The tiny Qwen2.5-VL of `vlm_folder` rebuilt as llama.cpp's qwen2.5vl graph runs it: two
+    tower blocks, the first windowed and the second full (fullatt_block_indexes [1]), its fixed
+    112-px window, random weights; the image processor allows up to 64 merged tokens (a 224 x
+    112 picture stays as it is: two windows)."""
+    import transformers
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vision_config"].update(depth=2, fullatt_block_indexes=[1], window_size=112)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForImageTextToText.from_config(config).float().save_pretrained(folder)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    pre["max_pixels"] = 28 * 28 * 64
+    pre["size"] = {**(pre.get("size") or {}), "longest_edge": 28 * 28 * 64}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    return folder
+
+
 def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
     """transformers + peft's loss summed over labelled tokens, one example at a time
     (`inputs(ex)`: the model's keyword inputs of one example), backpropagated."""
