@@ -15,7 +15,9 @@ patch and position embeddings stay f32, as its converter keeps them.
 Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemma's RMSNorm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
-transformers does). Every other image-text type is refused in one line naming it.
+transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py).
+Every other image-text type is refused in one line naming it. What a spec is and the names
+shared by several towers: gguf_mmproj_spec.py.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_mmproj_qwen import QWEN25VL
+from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
 
 # An image-text checkpoint is one whose config.json has a vision_config; these are the types
 # slipstream trains (docs/vision.md) and why each has no mmproj here yet.
@@ -47,37 +50,9 @@ NOT_WRITTEN = {
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
-# A SigLIP/CLIP encoder layer under transformers' names -> the gguf package's tensor.
-_ENCODER_LAYER = {
-    "self_attn.q_proj": "V_ENC_ATTN_Q",
-    "self_attn.k_proj": "V_ENC_ATTN_K",
-    "self_attn.v_proj": "V_ENC_ATTN_V",
-    "self_attn.out_proj": "V_ENC_ATTN_O",
-    "layer_norm1": "V_ENC_INPUT_NORM",
-    "layer_norm2": "V_ENC_POST_ATTN_NORM",
-    "mlp.fc1": "V_ENC_FFN_UP",
-    "mlp.fc2": "V_ENC_FFN_DOWN",
-}
 _VISION_MODULE = re.compile(
     r"(^|\.)(vision_tower|vision_model|multi_modal_projector|connector|visual)\."
 )
-_LAYER = re.compile(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-@dataclass(frozen=True)
-class MmprojSpec:
-    """What one image-text type needs: its checks and metadata (`write_metadata(w, hf,
-    processor)`, raising ValueError for what llama.cpp cannot run) and the renaming of its
-    vision-side tensors (`rename(name, tensor)` -> (llama.cpp name, tensor) or None: skip)."""
-
-    projector: str
-    write_metadata: Callable[[Any, dict, dict], None]
-    # -> (name, tensor), [(name, tensor), ...] for a tensor llama.cpp splits, or None
-    rename: Callable[[str, torch.Tensor], Any]
-    # vision_config under the keys write_vision_metadata reads (SigLIP's: as it is)
-    vision: Callable[[dict], dict] = lambda hf: hf["vision_config"]
-    # why llama.cpp would run this config's tower differently (a line), or None
-    check: Callable[[dict], str | None] = lambda hf: None
 
 
 def is_image_text(hf: dict) -> bool:
@@ -229,28 +204,6 @@ def write_vision_metadata(w: Any, hf: dict, processor: dict) -> None:
     w.add_vision_image_std([float(x) for x in processor["image_std"]])
 
 
-def encoder_name(name: str) -> str | None:
-    """llama.cpp's name for a SigLIP/CLIP tower tensor (names after the tower's prefix)."""
-    import gguf
-
-    T = gguf.MODEL_TENSOR
-    m = _LAYER.match(name)
-    if m is not None:
-        layer, part, kind = m.groups()
-        member = _ENCODER_LAYER.get(part)
-        if member is None:
-            return None
-        return f"{gguf.TENSOR_NAMES[T[member]].format(bid=int(layer))}.{kind}"
-    fixed = {
-        "embeddings.patch_embedding.weight": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]}.weight",
-        "embeddings.patch_embedding.bias": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]}.bias",
-        "embeddings.position_embedding.weight": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_POS]}.weight",
-        "post_layernorm.weight": f"{gguf.TENSOR_NAMES[T.V_POST_NORM]}.weight",
-        "post_layernorm.bias": f"{gguf.TENSOR_NAMES[T.V_POST_NORM]}.bias",
-    }
-    return fixed.get(name)
-
-
 # --- Gemma 3: SigLIP, then average pooling to mm_tokens_per_image, RMSNorm, a linear map ---
 
 
@@ -326,77 +279,9 @@ def _idefics3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | N
 IDEFICS3 = MmprojSpec("idefics3", _idefics3_metadata, _idefics3_rename)
 
 
-# --- Qwen2.5-VL: its windowed ViT (RMSNorm, SwiGLU, 2-D RoPE), the 2 x 2 patch merger ---
-# What llama.cpp's qwen2.5vl graph fixes (clip.cpp, llama-cpp-python 0.3.36): a merge of 2, an
-# attention window of 112 px, temporal patches of 2, the tower's RoPE base 10000.
-QWEN25VL_FIXED = {"spatial_merge_size": 2, "window_size": 112, "temporal_patch_size": 2}
-
-
-def _qwen25vl_vision(hf: dict) -> dict:
-    v = hf["vision_config"]
-    return {**v, "image_size": v.get("image_size", 560), "num_hidden_layers": v["depth"],
-            "num_attention_heads": v["num_heads"], "layer_norm_eps": 1e-6}  # fmt: skip
-
-
-def _qwen25vl_check(hf: dict) -> str | None:
-    v = hf.get("vision_config") or {}
-    differ = [f"{k} {v[k]} (llama.cpp: {want})" for k, want in QWEN25VL_FIXED.items()
-              if v.get(k, want) != want]  # fmt: skip
-    theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    if theta != 10000.0:
-        differ.append(f"the tower's RoPE base {theta:g} (llama.cpp: 10000)")
-    if v.get("hidden_act", "silu") != "silu":
-        differ.append(f"hidden_act {v['hidden_act']} (llama.cpp: silu)")
-    full = list(v.get("fullatt_block_indexes") or [])
-    pattern = full[0] + 1 if full else 0
-    if not full or full != list(range(pattern - 1, int(v.get("depth", 0)), pattern)):
-        differ.append(f"fullatt_block_indexes {full} (llama.cpp: every n-th block to the last)")
-    if differ:
-        return "llama.cpp's qwen2.5vl graph fixes what this tower sets otherwise: " + "; ".join(
-            differ
-        )
-    return None
-
-
-def _qwen25vl_metadata(w: Any, hf: dict, processor: dict) -> None:
-    w.add_vision_use_silu(True)
-    w.add_vision_n_wa_pattern(int(hf["vision_config"]["fullatt_block_indexes"][0]) + 1)
-    w.add_vision_spatial_merge_size(2)
-
-
-def _qwen25vl_rename(name: str, t: torch.Tensor) -> Any:
-    import gguf
-
-    if not name.startswith("visual."):
-        return None
-    if name == "visual.patch_embed.proj.weight":  # Conv3d (D, C, 2, p, p): a Conv2d per frame
-        patch = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH]
-        return [(f"{patch}.weight", t[:, :, 0]), (f"{patch}.weight.1", t[:, :, 1])]
-    if ".attn.qkv." in name:  # fused q, k, v rows: three tensors
-        return [_qwen25vl_name(name.replace(".qkv.", f".{p}."), x)
-                for p, x in zip("qkv", t.chunk(3, dim=0), strict=True)]  # fmt: skip
-    return _qwen25vl_name(name, t)
-
-
-def _qwen25vl_name(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
-    import gguf
-
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 256)
-    out = names.get_name(name, try_suffixes=(".weight", ".bias"))
-    if out is None:
-        raise ValueError(f"GGUF mmproj: no llama.cpp name for Qwen2.5-VL tensor {name!r}.")
-    return out, t.contiguous()
-
-
 SPECS = {
     "gemma3": MmprojSpec("gemma3", _gemma3_metadata, _gemma3_rename),
     "idefics3": IDEFICS3,
     "smolvlm": IDEFICS3,
-    "qwen2_5_vl": MmprojSpec(
-        "qwen2.5vl_merger",
-        _qwen25vl_metadata,
-        _qwen25vl_rename,
-        _qwen25vl_vision,
-        check=_qwen25vl_check,
-    ),
+    "qwen2_5_vl": QWEN25VL,
 }

@@ -1,0 +1,70 @@
+"""mmproj writers for the Qwen-VL towers (llama.cpp's `qwen2.5vl_merger`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, mapped_name
+
+# --- Qwen2.5-VL: its windowed ViT (RMSNorm, SwiGLU, 2-D RoPE), the 2 x 2 patch merger ---
+# What llama.cpp's qwen2.5vl graph fixes (clip.cpp, llama-cpp-python 0.3.36): a merge of 2, an
+# attention window of 112 px, temporal patches of 2, the tower's RoPE base 10000.
+QWEN25VL_FIXED = {"spatial_merge_size": 2, "window_size": 112, "temporal_patch_size": 2}
+
+
+def _qwen25vl_vision(hf: dict) -> dict:
+    v = hf["vision_config"]
+    return {**v, "image_size": v.get("image_size", 560), "num_hidden_layers": v["depth"],
+            "num_attention_heads": v["num_heads"], "layer_norm_eps": 1e-6}  # fmt: skip
+
+
+def _qwen25vl_check(hf: dict) -> str | None:
+    v = hf.get("vision_config") or {}
+    differ = [f"{k} {v[k]} (llama.cpp: {want})" for k, want in QWEN25VL_FIXED.items()
+              if v.get(k, want) != want]  # fmt: skip
+    theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if theta != 10000.0:
+        differ.append(f"the tower's RoPE base {theta:g} (llama.cpp: 10000)")
+    if v.get("hidden_act", "silu") != "silu":
+        differ.append(f"hidden_act {v['hidden_act']} (llama.cpp: silu)")
+    full = list(v.get("fullatt_block_indexes") or [])
+    pattern = full[0] + 1 if full else 0
+    if not full or full != list(range(pattern - 1, int(v.get("depth", 0)), pattern)):
+        differ.append(f"fullatt_block_indexes {full} (llama.cpp: every n-th block to the last)")
+    if differ:
+        return "llama.cpp's qwen2.5vl graph fixes what this tower sets otherwise: " + "; ".join(
+            differ
+        )
+    return None
+
+
+def _qwen25vl_metadata(w: Any, hf: dict, processor: dict) -> None:
+    w.add_vision_use_silu(True)
+    w.add_vision_n_wa_pattern(int(hf["vision_config"]["fullatt_block_indexes"][0]) + 1)
+    w.add_vision_spatial_merge_size(2)
+
+
+def _qwen25vl_rename(name: str, t: torch.Tensor) -> Any:
+    import gguf
+
+    if not name.startswith("visual."):
+        return None
+    if name == "visual.patch_embed.proj.weight":  # Conv3d (D, C, 2, p, p): a Conv2d per frame
+        patch = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH]
+        return [(f"{patch}.weight", t[:, :, 0]), (f"{patch}.weight.1", t[:, :, 1])]
+    if ".attn.qkv." in name:  # fused q, k, v rows: three tensors
+        return [_qwen25vl_name(name.replace(".qkv.", f".{p}."), x)
+                for p, x in zip("qkv", t.chunk(3, dim=0), strict=True)]  # fmt: skip
+    return _qwen25vl_name(name, t)
+
+
+def _qwen25vl_name(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    return mapped_name(name, t, "Qwen2.5-VL")
+
+
+QWEN25VL = MmprojSpec(
+    "qwen2.5vl_merger", _qwen25vl_metadata, _qwen25vl_rename, _qwen25vl_vision,
+    check=_qwen25vl_check,
+)  # fmt: skip

@@ -1,0 +1,76 @@
+"""What an mmproj writer knows of one image-text type (MmprojSpec), and the tensor names
+shared by several: SigLIP/CLIP encoder layers under transformers' names, and the `gguf`
+package's own table of mmproj names (`gguf.get_tensor_name_map(MMPROJ)`), as llama.cpp's
+converter maps them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# A SigLIP/CLIP encoder layer under transformers' names -> the gguf package's tensor.
+_ENCODER_LAYER = {
+    "self_attn.q_proj": "V_ENC_ATTN_Q",
+    "self_attn.k_proj": "V_ENC_ATTN_K",
+    "self_attn.v_proj": "V_ENC_ATTN_V",
+    "self_attn.out_proj": "V_ENC_ATTN_O",
+    "layer_norm1": "V_ENC_INPUT_NORM",
+    "layer_norm2": "V_ENC_POST_ATTN_NORM",
+    "mlp.fc1": "V_ENC_FFN_UP",
+    "mlp.fc2": "V_ENC_FFN_DOWN",
+}
+_LAYER = re.compile(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class MmprojSpec:
+    """What one image-text type needs: its checks and metadata (`write_metadata(w, hf,
+    processor)`, raising ValueError for what llama.cpp cannot run) and the renaming of its
+    vision-side tensors (`rename(name, tensor)` -> (llama.cpp name, tensor) or None: skip)."""
+
+    projector: str
+    write_metadata: Callable[[Any, dict, dict], None]
+    # -> (name, tensor), [(name, tensor), ...] for a tensor llama.cpp splits, or None
+    rename: Callable[[str, torch.Tensor], Any]
+    # vision_config under the keys write_vision_metadata reads (SigLIP's: as it is)
+    vision: Callable[[dict], dict] = lambda hf: hf["vision_config"]
+    # why llama.cpp would run this config's tower differently (a line), or None
+    check: Callable[[dict], str | None] = lambda hf: None
+
+
+def encoder_name(name: str) -> str | None:
+    """llama.cpp's name for a SigLIP/CLIP tower tensor (names after the tower's prefix)."""
+    import gguf
+
+    T = gguf.MODEL_TENSOR
+    m = _LAYER.match(name)
+    if m is not None:
+        layer, part, kind = m.groups()
+        member = _ENCODER_LAYER.get(part)
+        if member is None:
+            return None
+        return f"{gguf.TENSOR_NAMES[T[member]].format(bid=int(layer))}.{kind}"
+    fixed = {
+        "embeddings.patch_embedding.weight": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]}.weight",
+        "embeddings.patch_embedding.bias": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]}.bias",
+        "embeddings.position_embedding.weight": f"{gguf.TENSOR_NAMES[T.V_ENC_EMBD_POS]}.weight",
+        "post_layernorm.weight": f"{gguf.TENSOR_NAMES[T.V_POST_NORM]}.weight",
+        "post_layernorm.bias": f"{gguf.TENSOR_NAMES[T.V_POST_NORM]}.bias",
+    }
+    return fixed.get(name)
+
+
+def mapped_name(name: str, t: torch.Tensor, what: str) -> tuple[str, torch.Tensor]:
+    """(llama.cpp's name, tensor) for a tensor the gguf package's mmproj table maps, or a
+    one-line error naming it (`what`: the model, for the message)."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 256)
+    out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if out is None:
+        raise ValueError(f"GGUF mmproj: no llama.cpp name for {what} tensor {name!r}.")
+    return out, t.contiguous()
