@@ -17,22 +17,22 @@ rows is native and its adapter, the tower's LoRA included, loads in peft.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 from helpers.models import randomise_lora_b
+from helpers.native_vlm_runs import (
+    assert_cli_run_is_native_and_loads_in_peft,
+    assert_image_rows_keep_auto_native,
+)
 from helpers.tiny_vlm import (
     lora_step_matches_peft,
     packed_equals_alone,
     random_image,
-    run_config,
     vlm_folder,
-    write_picture_rows,
 )
-from peft import PeftModel
 
 import slipstream
 from slipstream.data import collate, tokenize_rows
@@ -195,31 +195,14 @@ def test_merged_export_loads_in_transformers_with_equal_logits(vlm, tmp_path):
 
 
 def test_image_rows_keep_auto_native_and_transformers_is_the_reference(vlm):
-    from slipstream.config import load_config
-    from slipstream.train.setup import image_implementation
-
     folder, *_, examples = vlm
-    cfg = load_config(None, [f"model.path={folder}", "data.train=d.jsonl", "output_dir=o"])
-    assert image_implementation(cfg, examples) is None
-    ref = slipstream.load_model(folder, implementation="transformers")
-    assert type(ref).__name__ == "GenericImageTextLM"
+    assert_image_rows_keep_auto_native(folder, examples)
 
 
 def test_cli_run_on_image_rows_is_native_and_its_adapter_loads_in_peft(vlm, tmp_path, capsys):
-    from slipstream import cli
-
-    folder, *_ = vlm
-    data, out = write_picture_rows(tmp_path, [(40, 60), (30, 30)]), tmp_path / "out"
-    config = run_config(tmp_path / "run.yaml", folder, data, out, vision={"tower": "lora"},
-                        lora={"targets": "all-linear"})  # fmt: skip
-    assert cli.main(["train", str(config)]) == 0
-    log = "".join(capsys.readouterr())
-    assert "native family" in log and "transformers' image-text" not in log
-    losses = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in losses if "loss" in r] == [1, 2]
-    peft_model = PeftModel.from_pretrained(_hf(folder), out)
-    lora_a = [n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")]
-    assert any("vision_tower" in n for n in lora_a) and any("language_model" in n for n in lora_a)
+    assert_cli_run_is_native_and_loads_in_peft(
+        vlm[0], tmp_path, capsys, _hf, lora={"targets": "all-linear"}
+    )
 
 
 def test_tower_lora_that_wraps_none_of_the_towers_linears_is_an_error(vlm):
