@@ -228,3 +228,70 @@ def test_llama_cpp_runs_qwen35_as_we_do(tmp_path, quiet, tokenizer, kind):  # no
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 2e-3, f"{kind}: llama.cpp logits differ by {err:.2e} (relative)"
     assert greedy_llama_cpp(llm, ids, 8) == greedy_ours(model, ids, 8)
+
+
+def test_qwen35_gguf_lora_regroups_a_columns_and_b_rows(tmp_path, quiet):  # noqa: F811
+    """A GGUF LoRA's factors in the weights' llama.cpp layout: out_proj's A (r, in) with its
+    value-head columns tiled (B as is), in_proj_z's B (out, r) with its rows tiled (A as is),
+    the attention's as they are; against the same explicit indices as the weights."""
+    import gguf
+
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.peft.lora import apply_lora
+    from tests.helpers.models import randomise_lora_b
+
+    model = _ours(tmp_path, "qwen3_5_text")
+    apply_lora(model, rank=4, alpha=4, targets="all-linear")
+    randomise_lora_b(model)
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "qwen3_5_text"))
+    got = _tensors(gguf.GGUFReader(str(export_adapter_gguf(tmp_path / "run", tmp_path / "a.gguf"))))
+    hf_head = [k * 2 + i for i in range(2) for k in range(2)]  # as in the weights' test
+    rows = torch.tensor([h * 16 + d for h in hf_head for d in range(16)])
+    la, at = "model.layers.0.linear_attn.", "model.layers.3.self_attn."
+
+    def factor(module: str, ab: str) -> torch.Tensor:
+        return state[f"{module}.lora_{ab}.weight"]
+
+    torch.testing.assert_close(
+        got["blk.0.ssm_out.weight.lora_a"], factor(la + "out_proj", "A")[:, rows]
+    )
+    torch.testing.assert_close(got["blk.0.ssm_out.weight.lora_b"], factor(la + "out_proj", "B"))
+    torch.testing.assert_close(got["blk.0.attn_gate.weight.lora_a"], factor(la + "in_proj_z", "A"))
+    torch.testing.assert_close(
+        got["blk.0.attn_gate.weight.lora_b"], factor(la + "in_proj_z", "B")[rows]
+    )
+    torch.testing.assert_close(got["blk.3.attn_q.weight.lora_b"], factor(at + "q_proj", "B"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5"])
+def test_qwen35_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, quiet, tokenizer, kind):  # noqa: F811
+    """A LoRA on every linear (the DeltaNet's five: out_proj's A columns regrouped as the
+    weight's, in_proj_qkv/z/a/b's B rows) as a GGUF LoRA on our base GGUF: llama.cpp's logits
+    move as merging moves ours (within 5% of the move)."""
+    pytest.importorskip("llama_cpp")
+    from test_gguf_llama_cpp import llama_cpp_logits
+
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.peft.lora import apply_lora, merge_lora
+    from tests.helpers.models import randomise_lora_b
+
+    model = _ours(tmp_path, kind)
+    export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
+    apply_lora(model, rank=8, alpha=16, targets="all-linear")
+    adapted = {n.rsplit(".", 2)[0] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert any(n.endswith("linear_attn.out_proj") for n in adapted)
+    randomise_lora_b(model)
+    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / kind))
+    lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")
+    merge_lora(model)
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        merged = model(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
+    _, plain = llama_cpp_logits(tmp_path / "base.gguf", ids)
+    _, got = llama_cpp_logits(tmp_path / "base.gguf", ids, lora=lora)
+    moved = (merged - plain).abs().max()
+    assert moved > 0.05  # the adapter does change the logits
+    assert (got - merged).abs().max() < 0.05 * moved

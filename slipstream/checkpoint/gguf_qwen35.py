@@ -161,7 +161,7 @@ def _v_part(fn):
     return part
 
 
-def _form(suffix: str, export, inverse, rename=None, rows: bool = False) -> TensorTransform:
+def _form(suffix: str, export, inverse, rename=None, rows=False, cols=False) -> TensorTransform:
     """A transform of the tensors ending with `suffix`: `export(cfg, t)` to llama.cpp,
     `inverse(cfg, t)` back; `rename` (HF name -> the name llama.cpp's table knows)."""
 
@@ -171,7 +171,7 @@ def _form(suffix: str, export, inverse, rename=None, rows: bool = False) -> Tens
     def to_hf(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[str, Any]]:
         yield name, inverse(cfg, parts[0])
 
-    return TensorTransform((suffix,), to_llama_cpp, to_hf, rows=rows)
+    return TensorTransform((suffix,), to_llama_cpp, to_hf, rows=rows, cols=cols)
 
 
 def _neg_exp(fn):
@@ -200,7 +200,7 @@ TRANSFORMS = (
     _form("linear_attn.in_proj_z.weight", V_ROWS, V_BACK, rows=True),
     _form("linear_attn.in_proj_a.weight", H_ROWS, H_BACK, rows=True),
     _form("linear_attn.in_proj_b.weight", H_ROWS, H_BACK, rows=True),
-    _form("linear_attn.out_proj.weight", _tiled(1, "V"), _tiled(1, "V", back=True)),
+    _form("linear_attn.out_proj.weight", _tiled(1, "V"), _tiled(1, "V", back=True), cols=True),
     _form("linear_attn.A_log", _neg_exp(H_ROWS), _log_neg(H_BACK)),
     _form("linear_attn.dt_bias", H_ROWS, H_BACK, rename=_dt_proj),
     _form("linear_attn.conv1d.weight", _conv(V_ROWS), _conv(V_BACK, back=True)),
