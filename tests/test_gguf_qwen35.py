@@ -53,10 +53,10 @@ def _hf_model(kind: str, **text):
         config = transformers.AutoConfig.for_model(kind, **text)
         model = transformers.AutoModelForCausalLM
     else:
-        moe = kind == "qwen3_5_moe"
+        moe, tie = kind == "qwen3_5_moe", text.pop("tie_word_embeddings", False)  # top-level
         config = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
             text_config=text, vision_config=VISION, image_token_id=300,
-            vision_start_token_id=301, vision_end_token_id=302,
+            vision_start_token_id=301, vision_end_token_id=302, tie_word_embeddings=tie,
         )  # fmt: skip
         model = transformers.AutoModelForImageTextToText
     torch.manual_seed(0)
@@ -131,6 +131,28 @@ def test_qwen35_gguf_keys_and_each_layer_kinds_tensors(tmp_path, quiet, tokenize
     shapes = {t.name: list(reversed(t.shape.tolist())) for t in reader.tensors}
     assert shapes["blk.3.attn_q.weight"] == [2 * 4 * 16, 64]
     assert shapes["blk.0.ssm_conv1d.weight"] == [2 * 2 * 16 + 4 * 16, 4]
+
+
+def test_qwen35_gguf_leaves_the_mtp_head_out(tmp_path, quiet, tokenizer):  # noqa: F811
+    """A checkpoint with an MTP head (`mtp.*`, which the loader skips): the GGUF holds
+    the trunk alone (no nextn key or tensors, block_count the decoder's layers), which
+    llama.cpp runs as it runs a file converted without MTP."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "qwen3_5_text"
+    _hf_model("qwen3_5_text").save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    weights.update({"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.zeros(64),
+                    "mtp.layers.0.mlp.up_proj.weight": torch.randn(128, 64)})  # fmt: skip
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(folder)
+    assert not [n for n, _ in model.named_parameters() if "mtp" in n]  # loaded past, not held
+    reader = gguf.GGUFReader(str(export_gguf(model, tmp_path / "m.gguf", "f32", tokenizer)))
+    fields = _fields(reader)
+    assert fields["qwen35.block_count"] == [4]
+    assert not [k for k in fields if "nextn" in k]
+    assert not [t.name for t in reader.tensors if "nextn" in t.name or t.name.startswith("blk.4")]
 
 
 def test_qwen35_value_heads_tiled_and_stored_forms(tmp_path, quiet, tokenizer):  # noqa: F811
@@ -209,7 +231,7 @@ def test_qwen35_gguf_refuses_what_llama_cpp_runs_differently(tmp_path, quiet, to
     assert not list(tmp_path.glob("*.gguf"))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3_5_tied"])
 def test_llama_cpp_runs_qwen35_as_we_do(tmp_path, quiet, tokenizer, kind):  # noqa: F811
     """llama.cpp's logits on a 107-token prompt (two DeltaNet chunks here; one batch there)
     within 2e-3 relative of ours (measured 1.0-1.8e-4: it keeps K/V in f16) and 8 greedy
@@ -218,7 +240,9 @@ def test_llama_cpp_runs_qwen35_as_we_do(tmp_path, quiet, tokenizer, kind):  # no
     pytest.importorskip("llama_cpp")
     from test_gguf_llama_cpp import greedy_llama_cpp, greedy_ours, llama_cpp_logits
 
-    model = _ours(tmp_path, kind)
+    tied = kind == "qwen3_5_tied"  # the small releases' tied head: token_embd used twice
+    model = _ours(tmp_path, "qwen3_5" if tied else kind, tie_word_embeddings=tied)
+    assert model.config.tie_word_embeddings == tied
     ids = tokenizer(PROMPT)["input_ids"]
     assert 64 < len(ids) < 120
     with torch.no_grad():

@@ -16,7 +16,7 @@ What differs from the HF checkpoint:
   ssm.* keys gguf_generic's qwen3_next writes too);
 - MoE (qwen35moe): experts stacked, the shared expert's gate (1, D) as one vector; softmax
   top-k renormalised, as our block always does and llama.cpp's qwen35moe fixes.
-The MTP head (`mtp.*`, passed through, never a model parameter) is not written: llama.cpp
+The MTP head (`mtp.*`, never a model parameter here) is not written: llama.cpp
 runs the trunk alone without it.
 
 Refused in one line, because llama.cpp would compute another model: key and value head dims
