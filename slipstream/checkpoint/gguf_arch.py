@@ -40,17 +40,11 @@ PRE_TOKENIZER = {spec.arch: spec.pre_tokenizer for spec in BY_MODEL_TYPE.values(
 
 # Native families llama.cpp runs (or the gguf package names) but whose GGUF layout slipstream
 # does not write (yet): model_type -> why, said after the type.
-_QWEN35 = ("(llama.cpp's {}) is not written by slipstream yet: its Gated DeltaNet tensors need "
-           "llama.cpp's layout (value heads regrouped, A stored as -exp(A_log), offset norms + "
-           "1), unverified here without llama.cpp; export the merged HF checkpoint and convert "
-           "it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
 _GEMMA4 = ("is not written by slipstream yet: the gguf package names the GEMMA4 architecture, "
            "but no spec for it here is checked against llama.cpp (per-layer inputs, K/V "
            "sharing, per-layer head dims, proportional RoPE); export the merged HF checkpoint "
            "and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
 NOT_WRITTEN = {
-    **{kind: _QWEN35.format("qwen35") for kind in ("qwen3_5_text", "qwen3_5")},
-    **{kind: _QWEN35.format("qwen35moe") for kind in ("qwen3_5_moe_text", "qwen3_5_moe")},
     **{kind: _GEMMA4 for kind in ("gemma4_text", "gemma4")},
 }
 

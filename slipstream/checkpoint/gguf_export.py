@@ -10,8 +10,8 @@ Types: `f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1` are quantise
 own quantizer (`llama_model_quantize` from `llama-cpp-python`, the `slipstream[gguf]` extra):
 we write an exact intermediate GGUF (f32 for a float32 model, bf16 otherwise) beside the
 target and let llama.cpp rewrite it. As llama.cpp's converter does, 1-D tensors (norms,
-biases, sinks) and MoE routers stay f32, and a tensor whose rows do not fill whole quant
-blocks falls back to f16.
+biases, sinks), MoE routers and convolution kernels stay f32, and a tensor whose rows do not
+fill whole quant blocks falls back to f16.
 
 The tokenizer goes in under `tokenizer.ggml.*` with its special tokens and chat template:
 copied verbatim from the source GGUF when the model was loaded from one, otherwise built from
@@ -166,12 +166,17 @@ def _merge(model: Any) -> None:
         merge_lora(model)
 
 
+# Kept f32 in every file type, as llama.cpp's converter does: MoE routers, and convolution
+# kernels (ggml's ssm_conv asserts an f32 kernel: an f16 or bf16 one aborts llama.cpp).
+ALWAYS_F32 = ("ffn_gate_inp.weight", "ssm_conv1d.weight", "shortconv.conv.weight")
+
+
 def tensor_type(name: str, shape: tuple[int, ...], type: str) -> Any:
     """The GGML type one tensor is stored in for a requested file type."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or type == "f32":
+    if len(shape) == 1 or name.endswith(ALWAYS_F32) or type == "f32":
         return Q.F32
     qtype = Q[type.upper()]
     block, _ = gguf.GGML_QUANT_SIZES[qtype]

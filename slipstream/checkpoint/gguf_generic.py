@@ -105,6 +105,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from slipstream.checkpoint.gguf_qwen35 import gated_deltanet_metadata
 from slipstream.checkpoint.gguf_spec import GGUFSpec, TensorTransform, rotary_rows, yarn_metadata
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
@@ -1006,16 +1007,7 @@ def _qwen3_next_metadata(w: Any, cfg: Any, hf: dict) -> None:
     w.add_expert_used_count(int(hf["num_experts_per_tok"]))
     w.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
     w.add_expert_shared_feed_forward_length(int(hf["shared_expert_intermediate_size"]))
-    w.add_ssm_conv_kernel(int(hf["linear_conv_kernel_dim"]))
-    w.add_ssm_state_size(int(hf["linear_key_head_dim"]))
-    w.add_ssm_group_count(int(hf["linear_num_key_heads"]))
-    w.add_ssm_time_step_rank(int(hf["linear_num_value_heads"]))
-    w.add_ssm_inner_size(int(hf["linear_value_head_dim"]) * int(hf["linear_num_value_heads"]))
-    # which layers are Gated DeltaNet (llama.cpp's {arch}.attention.recurrent_layers; this gguf
-    # package has no add_ method for it), and the interval its default pattern would use
-    recurrent = [t == "linear_attention" for t in hf["layer_types"][:L]]
-    w.add_array(f"{w.arch}.attention.recurrent_layers", recurrent)
-    w.add_full_attention_interval(int(hf.get("full_attention_interval") or 4))
+    gated_deltanet_metadata(w, hf, [t == "linear_attention" for t in hf["layer_types"][:L]])
 
 
 def _qkvz_split(cfg: Any, name: str, t: Any) -> list[tuple[str, Any]]:

@@ -146,9 +146,10 @@ def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:
         if gname is None:
             raise ValueError(f"GGUF LoRA: no llama.cpp name for adapted module {module!r}.")
         slot = pairs.setdefault(gname, [None, None])
-        # B's rows are the weight's output rows: the export's row permutation applies to them.
+        # B's rows are the weight's output rows, A's columns its input columns: the export's
+        # row (column) permutation applies to them.
         slot[0 if ".lora_A." in key else 1] = (
-            t if ".lora_A." in key else spec.lora_b(cfg, module, t)
+            spec.lora_a(cfg, module, t) if ".lora_A." in key else spec.lora_b(cfg, module, t)
         )
     for name, (a, b) in pairs.items():
         if a is None or b is None:

@@ -28,12 +28,13 @@ Import = Callable[[Any, str, list[Any]], Iterator[tuple[str, Any]]]
 class TensorTransform:
     """One layout change between HF and llama.cpp for the HF tensors whose names end with one
     of `suffixes`, both ways. `rows`: it only permutes output rows, so it applies to a LoRA
-    adapter's B (out, r) as well (gguf_lora.py)."""
+    adapter's B (out, r) as well (gguf_lora.py); `cols`: only input columns, so to its A."""
 
     suffixes: tuple[str, ...]
     to_llama_cpp: Export
     to_hf: Import
     rows: bool = False
+    cols: bool = False
 
     def matches(self, name: str) -> bool:
         return name.endswith(self.suffixes)
@@ -132,8 +133,23 @@ class GGUFSpec:
 
     def lora_b(self, cfg: Any, module: str, b: Any) -> Any:
         """A LoRA B (out, r) of `module` in llama.cpp's row order."""
-        tr = self.transform(module + ".weight")
+        tr = self._lora_transform(module)
         return tr.to_llama_cpp(cfg, module + ".weight", b)[0][1] if tr and tr.rows else b
+
+    def lora_a(self, cfg: Any, module: str, a: Any) -> Any:
+        """A LoRA A (r, in) of `module` in llama.cpp's column order."""
+        tr = self._lora_transform(module)
+        return tr.to_llama_cpp(cfg, module + ".weight", a)[0][1] if tr and tr.cols else a
+
+    def _lora_transform(self, module: str) -> TensorTransform | None:
+        tr = self.transform(module + ".weight")
+        if tr is not None and not (tr.rows or tr.cols):
+            raise ValueError(
+                f"GGUF LoRA: {module} is laid out otherwise in llama.cpp's {self.name} (not a "
+                "row or column permutation), so its adapter has no GGUF form; export it merged "
+                "(--gguf)."
+            )
+        return tr
 
 
 # Image-text types whose language model exports as its own family: model_type -> the prefix
@@ -141,7 +157,8 @@ class GGUFSpec:
 IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
 
 
-QWEN_VL_TEXT = ("qwen2_5_vl",)  # native image-text types whose language model exports alone
+# native image-text types whose language model exports alone
+QWEN_VL_TEXT = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
 
 
 def text_hf(cfg: Any) -> dict:
