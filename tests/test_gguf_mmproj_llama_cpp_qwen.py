@@ -7,15 +7,25 @@ Qwen2.5-VL is the tiny checkpoint rebuilt as llama.cpp's qwen2.5vl graph runs it
 (`qwen2_5_vl_as_llama_cpp`: a windowed block, then a full one) on a 224 x 112 image: 16 x 8
 patches, two 112-px attention windows, 32 merged rows. Its side lengths are multiples of 28,
 so neither side resizes and both see the same pixels.
+
+Qwen3-VL is the tiny checkpoint with mRoPE sections llama.cpp turns as transformers does
+(`qwen3_vl_as_llama_cpp`: [2, 1, 1]; the default [1, 1, 2] is refused, gguf_qwen_vl.py) on a
+128 x 96 image: 8 x 6 patches (the 4 x 4 position table resampled), 12 merged rows. Each of
+mtmd's rows is the merger's output then the two deepstack features (3 x 32), which it hands the
+text model as one input and llama.cpp adds after decoder layers 0 and 1; transformers' are
+compared as the same concatenation.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 from helpers.llama_cpp_mtmd import close, generate, image_embeddings, load
 from helpers.tiny_vlm import (
     qwen2_5_vl_as_llama_cpp,
+    qwen3_vl_as_llama_cpp,
     random_image,
     randomise_constant_tensors,
     vlm_folder,
@@ -28,9 +38,12 @@ transformers = pytest.importorskip("transformers")
 
 PROMPT = "Look: <__media__> What is it?"
 NEW_TOKENS = 6
-WIDTH = 32  # the tiny models' text hidden size
-# model_type -> (the checkpoint as llama.cpp runs it, image (height, width), merged rows)
-KINDS = {"qwen2_5_vl": (qwen2_5_vl_as_llama_cpp, (112, 224), 32)}
+# model_type -> (the checkpoint as llama.cpp runs it, image (height, width), merged rows, a
+# row's width: the text hidden size 32, times 3 with Qwen3-VL's two deepstack features)
+KINDS = {
+    "qwen2_5_vl": (qwen2_5_vl_as_llama_cpp, (112, 224), 32, 32),
+    "qwen3_vl": (qwen3_vl_as_llama_cpp, (96, 128), 12, 96),
+}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -54,11 +67,12 @@ def hf_pixels(folder, image) -> dict:
 
 
 def hf_features(model, pixels: dict) -> torch.Tensor:
-    """transformers' image features: (merged rows, text width)."""
+    """transformers' image features, each row's deepstack features after it: (merged rows,
+    text width x (1 + deepstack))."""
     with torch.no_grad():
-        feats = model.model.get_image_features(**pixels)
-    feats = getattr(feats, "pooler_output", feats)
-    return torch.cat(list(feats)) if not torch.is_tensor(feats) else feats
+        out = model.model.get_image_features(**pixels)
+    parts = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+    return torch.cat([torch.cat(list(p)) for p in parts], dim=-1)
 
 
 def hf_inputs(model, folder, prompt: list, image) -> dict:
@@ -75,11 +89,11 @@ def hf_inputs(model, folder, prompt: list, image) -> dict:
 
 def test_image_embeddings_equal_transformers(exported):
     kind, folder, llm, ctx, model = exported
-    size, rows = KINDS[kind][1], KINDS[kind][2]
+    _, size, rows, width = KINDS[kind]
     image = random_image(*size, seed=3)
-    ours = image_embeddings(ctx, image, PROMPT, WIDTH)
+    ours = image_embeddings(ctx, image, PROMPT, width)
     theirs = hf_features(model, hf_pixels(folder, image))
-    assert ours.shape == theirs.shape == (rows, WIDTH)
+    assert ours.shape == theirs.shape == (rows, width)
     err = (ours - theirs).abs().max() / theirs.abs().max()
     assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
     other = hf_features(model, hf_pixels(folder, random_image(*size, seed=4)))
@@ -103,3 +117,21 @@ def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported
         firsts.append(first)
     # the image matters: another image gives other logits after the same text
     assert (firsts[0] - firsts[1]).abs().max() / firsts[0].abs().max() > 1e-2
+
+
+def test_qwen3_vl_deepstack_reaches_the_text_model(exported):
+    """llama.cpp's logits are transformers' with deepstack, not without it (the features are
+    added after decoder layers 0 and 1, not only carried in the mmproj's rows)."""
+    kind, folder, llm, ctx, model = exported
+    if kind != "qwen3_vl":
+        pytest.skip("deepstack: Qwen3-VL only")
+    image = random_image(*KINDS[kind][1], seed=5)
+    prompt, first, _ = generate(llm, ctx, image, PROMPT, 1)
+    inputs = hf_inputs(model, folder, prompt, image)
+    text_model = type(model.model.language_model)
+    with torch.no_grad():
+        theirs = model(**inputs).logits[0, -1]
+        with mock.patch.object(text_model, "_deepstack_process", lambda self, h, *a: h):
+            without = model(**inputs).logits[0, -1]
+    err = (first - theirs).abs().max() / theirs.abs().max()
+    assert (first - without).abs().max() / theirs.abs().max() > 10 * err

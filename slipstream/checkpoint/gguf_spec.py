@@ -141,7 +141,8 @@ class GGUFSpec:
 IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
 
 
-QWEN_VL_TEXT = ("qwen2_5_vl",)  # native image-text types whose language model exports alone
+# Native image-text types whose language model exports alone (gguf_qwen_vl.py).
+QWEN_VL_TEXT = ("qwen2_5_vl", "qwen3_vl")
 
 
 def text_hf(cfg: Any) -> dict:
