@@ -207,6 +207,34 @@ def test_qwen3_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
+def test_llama_cpp_interleaved_mrope_differs_only_where_the_check_says():
+    """llama.cpp's interleaved M-RoPE axes (gguf_qwen_vl.py) against ours (= transformers'):
+    the released sections move two slow frequencies (written), the tiny default a fast one
+    (refused), [2, 1, 1] none."""
+    from types import SimpleNamespace
+
+    from slipstream.checkpoint.gguf_qwen_vl import FOURTH, _qwen3vl_check, llama_cpp_imrope_axes
+    from slipstream.models.rope import RopeConfig, mrope_axes
+
+    ours, theirs = mrope_axes([24, 20, 20], True, 64), llama_cpp_imrope_axes([24, 20, 20], 64)
+    assert [j for j in range(64) if ours[j] != theirs[j]] == [61, 62]
+    assert theirs[61] == theirs[62] == FOURTH and ours[61] == ours[62] == 0
+    assert llama_cpp_imrope_axes([2, 1, 1], 4) == mrope_axes([2, 1, 1], True, 4) == [0, 1, 2, 0]
+
+    def config(section, theta, head_dim):
+        cfg = SimpleNamespace(rope=RopeConfig(theta=theta), head_dim=head_dim,
+                              num_hidden_layers=28, model_type="qwen3_vl")  # fmt: skip
+        hf = {"rope_parameters": {"mrope_section": section},
+              "vision_config": {"deepstack_visual_indexes": [5, 11, 17]}}  # fmt: skip
+        return cfg, hf
+
+    _qwen3vl_check(*config([24, 20, 20], 5e6, 128))  # Qwen3-VL-2B..32B: 4e-7 rad: written
+    with pytest.raises(ValueError, match=r"frequencies \[61, 62\] of 64"):
+        _qwen3vl_check(*config([24, 20, 20], 1e4, 128))  # a base of 1e4: 1.4e-4 rad
+    with pytest.raises(ValueError, match=r"frequencies \[3\] of 4"):
+        _qwen3vl_check(*config([1, 1, 2], 1e4, 8))
+
+
 def _qwen3_vl_sections_112(folder):
     qwen3_vl_as_llama_cpp(folder)
     cfg = json.loads((folder / "config.json").read_text())
