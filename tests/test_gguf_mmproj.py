@@ -1,6 +1,7 @@
 """GGUF mmproj export of image-text checkpoints (checkpoint/gguf_mmproj.py): what the writer
 puts in the file (keys, tensor names, shapes, values), read back with the `gguf` package;
-the one-line refusals. llama.cpp itself running the files: tests/test_gguf_mmproj_llama_cpp.py.
+the one-line refusals. llama.cpp itself running the files: tests/test_gguf_mmproj_llama_cpp.py
+and tests/test_gguf_mmproj_llama_cpp_qwen.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,12 @@ import json
 
 import pytest
 import torch
-from helpers.tiny_vlm import qwen2_5_vl_as_llama_cpp, randomise_constant_tensors, vlm_folder
+from helpers.tiny_vlm import (
+    qwen2_5_vl_as_llama_cpp,
+    qwen3_vl_as_llama_cpp,
+    randomise_constant_tensors,
+    vlm_folder,
+)
 from safetensors.torch import load_file, save_file
 
 from slipstream.checkpoint.gguf_export import mmproj_path
@@ -157,7 +163,111 @@ def test_a_qwen2_5_vl_tower_llama_cpp_would_run_differently_is_one_line(tmp_path
     assert not (folder / "gguf").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen3_vl"])
+def _edit_config(folder, part: str, **values) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[part].update(values)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_qwen3_vl_text_gguf_and_mmproj(tmp_path):
+    folder = vlm_folder(tmp_path / "q", "qwen3_vl")
+    _edit_config(folder, "vision_config", deepstack_visual_indexes=[1])  # merger 0 reads block 1
+    qwen3_vl_as_llama_cpp(folder)
+    randomise_constant_tensors(folder)
+    out = tmp_path / "q.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    text = fields(gguf.GGUFReader(out))
+    assert text["general.architecture"] == "qwen3vl" and text["qwen3vl.block_count"] == 3
+    assert text["qwen3vl.rope.dimension_sections"] == [2, 1, 1, 0]
+    assert text["qwen3vl.n_deepstack_layers"] == 1
+    reader = gguf.GGUFReader(tmp_path / "mmproj-q.f32.gguf")
+    meta = fields(reader)
+    assert meta["clip.projector_type"] == "qwen3vl_merger" and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.is_deepstack_layers"] == [False, True]
+    assert meta["clip.vision.image_size"] == 64  # the 4 x 4 position table of 16-px patches
+    assert meta["clip.vision.spatial_merge_size"] == 2 and meta["clip.vision.block_count"] == 2
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    hf = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
+    conv = hf["visual.patch_embed.proj.weight"]  # (D, C, 2, p, p): a Conv2d per frame
+    for k, name in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+        assert torch.equal(tensors[name].reshape(conv[:, :, k].shape), conv[:, :, k])
+    same = {  # llama.cpp's name -> transformers' (fused qkv kept: its graph splits the rows)
+        "v.blk.1.attn_qkv.weight": "visual.blocks.1.attn.qkv.weight",
+        "v.position_embd.weight": "visual.pos_embed.weight",
+        "v.post_ln.bias": "visual.merger.norm.bias",
+        "mm.0.weight": "visual.merger.linear_fc1.weight",
+        "mm.2.bias": "visual.merger.linear_fc2.bias",
+        "v.deepstack.1.norm.weight": "visual.deepstack_merger_list.0.norm.weight",
+        "v.deepstack.1.fc1.weight": "visual.deepstack_merger_list.0.linear_fc1.weight",
+        "v.deepstack.1.fc2.bias": "visual.deepstack_merger_list.0.linear_fc2.bias",
+    }  # fmt: skip
+    for ours, theirs in same.items():
+        assert torch.equal(tensors[ours].reshape(hf[theirs].shape), hf[theirs]), ours
+    assert not [n for n in tensors if n.startswith("v.deepstack.0.")]
+    assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
+
+
+def test_llama_cpp_interleaved_mrope_differs_only_where_the_check_says():
+    """llama.cpp's interleaved M-RoPE axes (gguf_qwen_vl.py) against ours (= transformers'):
+    the released sections move two slow frequencies (written), the tiny default a fast one
+    (refused), [2, 1, 1] none."""
+    from types import SimpleNamespace
+
+    from slipstream.checkpoint.gguf_qwen_vl import FOURTH, _qwen3vl_check, llama_cpp_imrope_axes
+    from slipstream.models.rope import RopeConfig, mrope_axes
+
+    ours, theirs = mrope_axes([24, 20, 20], True, 64), llama_cpp_imrope_axes([24, 20, 20], 64)
+    assert [j for j in range(64) if ours[j] != theirs[j]] == [61, 62]
+    assert theirs[61] == theirs[62] == FOURTH and ours[61] == ours[62] == 0
+    assert llama_cpp_imrope_axes([2, 1, 1], 4) == mrope_axes([2, 1, 1], True, 4) == [0, 1, 2, 0]
+
+    def config(section, theta, head_dim):
+        cfg = SimpleNamespace(rope=RopeConfig(theta=theta), head_dim=head_dim,
+                              num_hidden_layers=28, model_type="qwen3_vl")  # fmt: skip
+        hf = {"rope_parameters": {"mrope_section": section},
+              "vision_config": {"deepstack_visual_indexes": [5, 11, 17]}}  # fmt: skip
+        return cfg, hf
+
+    _qwen3vl_check(*config([24, 20, 20], 5e6, 128))  # Qwen3-VL-2B..32B: 4e-7 rad: written
+    with pytest.raises(ValueError, match=r"frequencies \[61, 62\] of 64"):
+        _qwen3vl_check(*config([24, 20, 20], 1e4, 128))  # a base of 1e4: 1.4e-4 rad
+    with pytest.raises(ValueError, match=r"frequencies \[3\] of 4"):
+        _qwen3vl_check(*config([1, 1, 2], 1e4, 8))
+
+
+def _qwen3_vl_sections_112(folder):
+    qwen3_vl_as_llama_cpp(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"]["mrope_section"] = [1, 1, 2]  # the tiny default
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [  # the tiny default: 2 decoder layers, deepstack on both
+        (lambda folder: None, "2 deepstack features and 2 decoder layers"),
+        # frequency 3 of 4 is w's 2nd turn in transformers, llama.cpp's 4th (0) position
+        (_qwen3_vl_sections_112, "mrope_section [1, 1, 2]: llama.cpp's interleaved M-RoPE "
+         "turns rotary frequencies [3] of 4"),
+        (lambda folder: (qwen3_vl_as_llama_cpp(folder), _edit_config(
+            folder, "vision_config", hidden_act="gelu")),
+         "hidden_act gelu (llama.cpp: gelu_pytorch_tanh)"),
+    ],
+    ids=["deepstack-on-the-last-layer", "sections", "tower-activation"],
+)  # fmt: skip
+def test_a_qwen3_vl_llama_cpp_would_run_differently_is_one_line(edit, says, tmp_path, capsys):
+    folder = vlm_folder(tmp_path / "q", "qwen3_vl")
+    edit(folder)
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    # refused before anything is written (the text checks need the built model's config: the
+    # output folder is made by then, empty)
+    assert not list(folder.glob("gguf/*"))
+
+
+@pytest.mark.parametrize("kind", ["llava", "mistral3"])
 def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_path, capsys):
     folder = vlm_folder(tmp_path / kind, kind)
     capsys.readouterr()  # what building the checkpoint printed
@@ -165,7 +275,7 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
-    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl." in err
+    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl." in err
     assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 

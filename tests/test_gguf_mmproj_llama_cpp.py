@@ -13,23 +13,15 @@ as the tiles'). Normalisation is the image processor's mean and std, from the mm
 
 from __future__ import annotations
 
-import ctypes
-from unittest import mock
-
-import numpy as np
 import pytest
 import torch
+from helpers.llama_cpp_mtmd import close, generate, image_embeddings, load
 from helpers.tiny_vlm import random_image, randomise_constant_tensors, vlm_folder
 
 from slipstream.checkpoint.gguf_export import mmproj_path
 from slipstream.cli import main
 
-llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
-try:
-    from llama_cpp import mtmd_cpp as mtmd
-except (ImportError, OSError, RuntimeError, FileNotFoundError) as e:  # no libmtmd.so
-    pytest.skip(f"llama-cpp-python without libmtmd: {e}", allow_module_level=True)
 
 # Gemma 3's text model as llama.cpp runs it (1/sqrt(head_dim), its fixed layer pattern: both
 # layers sliding), with a window that lets the image reach the prompt's last token.
@@ -39,16 +31,6 @@ KINDS = {"gemma3": 28, "idefics3": 56, "smolvlm": 56}  # the image side given (m
 PROMPT = "Look: <__media__> What is it?"
 NEW_TOKENS = 6
 WIDTH = 32  # the tiny models' text hidden size
-
-
-def _no_repack_params():
-    """Weight repacking off (llama-cli's --no-repack; tests/test_gguf_llama_cpp.py says why)."""
-    params = _default_model_params()
-    params.use_extra_bufts = False
-    return params
-
-
-_default_model_params = llama_cpp.llama_model_default_params
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -61,43 +43,9 @@ def exported(request, tmp_path_factory):
     randomise_constant_tensors(folder)  # Gemma 3's projector starts at zero, norms at one
     text = tmp_path_factory.mktemp("gguf") / f"{kind}.f32.gguf"
     assert main(["export", str(folder), "--gguf", "f32", "--out", str(text)]) == 0
-    with mock.patch("llama_cpp.llama.llama_cpp.llama_model_default_params", _no_repack_params):
-        llm = llama_cpp.Llama(model_path=str(text), n_ctx=256, n_batch=128, n_ubatch=128,
-                              logits_all=True, verbose=False, n_threads=2)  # fmt: skip
-    params = mtmd.mtmd_context_params_default()
-    params.use_gpu = False
-    params.print_timings = False
-    params.n_threads = 2
-    params.warmup = False
-    ctx = mtmd.mtmd_init_from_file(str(mmproj_path(text, "f32")).encode(), llm.model, params)
-    assert ctx, "llama.cpp refused the mmproj (mtmd_init_from_file returned NULL)"
+    llm, ctx = load(text, mmproj_path(text, "f32"))
     yield kind, folder, llm, ctx
-    mtmd.mtmd_free(ctx)
-    llm.close()
-
-
-def tokenize(ctx, image):
-    """mtmd's chunks of PROMPT with `image` at the marker: ([(kind, token ids | chunk)],
-    chunks, bitmap); the caller frees the last two."""
-    rgb = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
-    data = (ctypes.c_uint8 * rgb.size).from_buffer_copy(rgb.tobytes())
-    bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, data)
-    chunks = mtmd.mtmd_input_chunks_init()
-    text = mtmd.mtmd_input_text()
-    text.text, text.text_len = PROMPT.encode(), len(PROMPT.encode())
-    text.add_special, text.parse_special = True, True
-    bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
-    assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
-    out = []
-    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-        if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-            n = ctypes.c_size_t()
-            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-            out.append(("text", [ids[j] for j in range(n.value)]))
-        else:
-            out.append(("image", chunk))
-    return out, chunks, bitmap
+    close(llm, ctx)
 
 
 def hf_model(folder):
@@ -122,17 +70,7 @@ def hf_features(model, pixels: dict) -> torch.Tensor:
 def test_image_embeddings_equal_transformers(exported):
     kind, folder, llm, ctx = exported
     image = random_image(KINDS[kind], KINDS[kind], seed=3)
-    parts, chunks, bitmap = tokenize(ctx, image)
-    rows = []
-    for part, chunk in parts:
-        if part == "image":  # Idefics3: one chunk per tile, the overview last (as transformers)
-            n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-            assert mtmd.mtmd_encode_chunk(ctx, chunk) == 0
-            embd = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * WIDTH,))
-            rows.append(torch.from_numpy(embd.copy()).reshape(n, WIDTH))
-    mtmd.mtmd_input_chunks_free(chunks)
-    mtmd.mtmd_bitmap_free(bitmap)
-    ours = torch.cat(rows)
+    ours = image_embeddings(ctx, image, PROMPT, WIDTH)
     model = hf_model(folder)
     theirs = hf_features(model, hf_pixels(folder, image))
     assert ours.shape == theirs.shape == ((4 if kind == "gemma3" else 20), WIDTH)
@@ -140,45 +78,6 @@ def test_image_embeddings_equal_transformers(exported):
     assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
     other = hf_features(model, hf_pixels(folder, random_image(*image.size, seed=4)))
     assert (ours - other).abs().max() / theirs.abs().max() > 100 * err  # the check can fail
-
-
-def llama_cpp_generate(llm, ctx, image, n: int) -> tuple[list, torch.Tensor, list[int]]:
-    """llama.cpp on PROMPT with `image`, chunk by chunk: the prompt as [token ids | -rows of an
-    image], the logits after it and `n` greedy tokens. A token mtmd could not find (-1: the
-    tiny tokenizer has no "\\n\\n", which mtmd puts before Idefics3's overview) is left out."""
-    parts, chunks, bitmap = tokenize(ctx, image)
-    llm.reset()
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-    prompt, n_past = [], 0
-    for i, (part, value) in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "text":
-            ids = [t for t in value if t >= 0]
-            prompt.append(ids)
-            arr = (llama_cpp.llama_token * len(ids))(*ids)  # alive while the batch points at it
-            assert (
-                llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(arr, len(ids))) == 0
-            )
-            n_past += len(ids)
-        else:
-            prompt.append(-mtmd.mtmd_input_chunk_get_n_tokens(value))
-            new = llama_cpp.llama_pos(0)
-            rc = mtmd.mtmd_helper_eval_chunk_single(
-                ctx, llm.ctx, value, n_past, 0, 128, last, ctypes.byref(new)
-            )
-            assert rc == 0
-            n_past = new.value
-    mtmd.mtmd_input_chunks_free(chunks)
-    mtmd.mtmd_bitmap_free(bitmap)
-    vocab, first, tokens = llm.n_vocab(), None, []
-    for _ in range(n):
-        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        logits = torch.from_numpy(np.ctypeslib.as_array(logits, shape=(vocab,)).copy())
-        first = logits if first is None else first
-        tokens.append(int(logits.argmax()))
-        arr = (llama_cpp.llama_token * 1)(tokens[-1])
-        assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(arr, 1)) == 0
-    return prompt, first, tokens
 
 
 def hf_inputs(kind, model, folder, prompt: list, image) -> dict:
@@ -201,7 +100,7 @@ def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported
     firsts = []
     for seed in (5, 6):
         image = random_image(KINDS[kind], KINDS[kind], seed=seed)
-        prompt, first, got = llama_cpp_generate(llm, ctx, image, NEW_TOKENS)
+        prompt, first, got = generate(llm, ctx, image, PROMPT, NEW_TOKENS)
         inputs = hf_inputs(kind, model, folder, prompt, image)
         with torch.no_grad():
             theirs = model(**inputs).logits[0, -1]

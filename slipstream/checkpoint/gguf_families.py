@@ -28,6 +28,7 @@ import numpy as np
 
 from slipstream.checkpoint.gguf_fields import decimal, field
 from slipstream.checkpoint.gguf_qwen35 import QWEN35, QWEN35MOE
+from slipstream.checkpoint.gguf_qwen_vl import QWEN2VL, QWEN3VL
 from slipstream.checkpoint.gguf_spec import (
     GGUFSpec,
     TensorTransform,
@@ -172,23 +173,6 @@ def _unstack_experts(cfg: Any, name: str, parts: list[Any]) -> Iterator[tuple[st
 
 
 QWEN2 = GGUFSpec("QWEN2", "qwen2", ("qwen2",), pre_tokenizer="qwen2")
-
-
-def _qwen2vl_metadata(w: Any, cfg: Any, hf: dict) -> None:
-    """Qwen2's RoPE keys plus llama.cpp's M-RoPE sections (t, h, w, 0: pairs of the head's
-    rotary frequencies each axis turns; text positions are (p, p, p) in llama.cpp as here)."""
-    from slipstream.models.qwen_vl import mrope_section
-
-    rope_metadata(w, cfg, hf)
-    w.add_rope_dimension_sections([*mrope_section(hf, cfg.model_type), 0])
-
-
-# Qwen2.5-VL's language model (our Qwen2 decoder with mRoPE): llama.cpp's qwen2vl. Export
-# only: a qwen2vl file holds no vision side, so import has no checkpoint to rebuild.
-QWEN2VL = GGUFSpec(
-    "QWEN2VL", "qwen2vl", ("qwen2_5_vl",), write_metadata=_qwen2vl_metadata,
-    pre_tokenizer="qwen2",
-)  # fmt: skip
 QWEN3 = GGUFSpec("QWEN3", "qwen3", ("qwen3",), read_config=_attention_bias, pre_tokenizer="qwen2")
 QWEN3MOE = GGUFSpec(
     "QWEN3MOE",
@@ -441,6 +425,7 @@ GPT_OSS = GGUFSpec(
 )
 
 SPECS = (LLAMA, QWEN2, QWEN3, QWEN3MOE, PHI3, GEMMA3, GPT_OSS)
-EXPORT_ONLY = (QWEN2VL, QWEN35, QWEN35MOE)
+# Language models of image-text types: gguf_qwen_vl.py, gguf_qwen35.py
+EXPORT_ONLY = (QWEN2VL, QWEN3VL, QWEN35, QWEN35MOE)
 BY_MODEL_TYPE = {t: spec for spec in (*SPECS, *EXPORT_ONLY) for t in spec.model_types}
 BY_ARCH = {spec.name: spec for spec in SPECS}  # a file's general.architecture: what import reads

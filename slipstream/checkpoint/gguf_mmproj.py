@@ -15,7 +15,8 @@ patch and position embeddings stay f32, as its converter keeps them.
 Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemma's RMSNorm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
-transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py).
+transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger) and `qwen3_vl` (its ViT,
+2 x 2 merger and deepstack mergers): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py.
 Every other image-text type is refused in one line naming it. What a spec is and the names
 shared by several towers: gguf_mmproj_spec.py.
 """
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
-from slipstream.checkpoint.gguf_mmproj_qwen import QWEN25VL
+from slipstream.checkpoint.gguf_mmproj_qwen import QWEN3VL, QWEN25VL
 from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
 
 # An image-text checkpoint is one whose config.json has a vision_config; these are the types
@@ -48,7 +49,6 @@ NOT_WRITTEN = {
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
-    "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
 _VISION_MODULE = re.compile(
     r"(^|\.)(vision_tower|vision_model|multi_modal_projector|connector|visual)\."
@@ -132,7 +132,7 @@ def image_processor_config(folders: tuple[Path, ...]) -> dict:
     )
 
 
-def vision_tensors(folder: Path, spec: MmprojSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def vision_tensors(folder: Path, spec: MmprojSpec, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(llama.cpp name, tensor) for the checkpoint's vision side, one tensor at a time."""
     from safetensors import safe_open
 
@@ -144,7 +144,7 @@ def vision_tensors(folder: Path, spec: MmprojSpec) -> Iterator[tuple[str, torch.
                 name = key.removeprefix("model.")
                 if name.startswith(("language_model.", "text_model.", "lm_head.")):
                     continue
-                out = spec.rename(name, f.get_tensor(key))
+                out = spec.rename(name, f.get_tensor(key), hf)
                 if isinstance(out, list):
                     yield from out
                 elif out is not None:
@@ -171,14 +171,14 @@ def _write(folder: Path, hf: dict, processor: dict, out: str, type: str) -> None
     write_vision_metadata(w, {**hf, "vision_config": spec.vision(hf)}, processor)
     w.add_clip_projector_type(spec.projector)
     spec.write_metadata(w, hf, processor)
-    for name, t in vision_tensors(folder, spec):  # the table first (llama.cpp reads it first)
+    for name, t in vision_tensors(folder, spec, hf):  # the table first (llama.cpp reads it first)
         shape = tuple(t.shape)
         dtype = tensor_dtype(name, shape, type)
         w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, t in vision_tensors(folder, spec):
+    for name, t in vision_tensors(folder, spec, hf):
         x = t.to(torch.float32).contiguous().numpy()
         w.write_tensor_data(x.astype(tensor_dtype(name, x.shape, type), copy=False))
     w.close()
@@ -227,7 +227,7 @@ def _gemma3_metadata(w: Any, hf: dict, processor: dict) -> None:
         w.add_vision_projector_scale_factor(side // per_side)
 
 
-def _gemma3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def _gemma3_rename(name: str, t: torch.Tensor, hf: dict) -> tuple[str, torch.Tensor] | None:
     import gguf
 
     T = gguf.MODEL_TENSOR
@@ -262,7 +262,7 @@ def _idefics3_metadata(w: Any, hf: dict, processor: dict) -> None:
     w.add_vision_preproc_image_size(int(edge))
 
 
-def _idefics3_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def _idefics3_rename(name: str, t: torch.Tensor, hf: dict) -> tuple[str, torch.Tensor] | None:
     import gguf
 
     if name == "connector.modality_projection.proj.weight":
@@ -284,4 +284,5 @@ SPECS = {
     "idefics3": IDEFICS3,
     "smolvlm": IDEFICS3,
     "qwen2_5_vl": QWEN25VL,
+    "qwen3_vl": QWEN3VL,
 }

@@ -30,12 +30,13 @@ _LAYER = re.compile(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 class MmprojSpec:
     """What one image-text type needs: its checks and metadata (`write_metadata(w, hf,
     processor)`, raising ValueError for what llama.cpp cannot run) and the renaming of its
-    vision-side tensors (`rename(name, tensor)` -> (llama.cpp name, tensor) or None: skip)."""
+    vision-side tensors (`rename(name, tensor, hf)` -> (llama.cpp name, tensor) or None:
+    skip; `hf` the full config.json)."""
 
     projector: str
     write_metadata: Callable[[Any, dict, dict], None]
     # -> (name, tensor), [(name, tensor), ...] for a tensor llama.cpp splits, or None
-    rename: Callable[[str, torch.Tensor], Any]
+    rename: Callable[[str, torch.Tensor, dict], Any]
     # vision_config under the keys write_vision_metadata reads (SigLIP's: as it is)
     vision: Callable[[dict], dict] = lambda hf: hf["vision_config"]
     # why llama.cpp would run this config's tower differently (a line), or None

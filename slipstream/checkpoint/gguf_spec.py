@@ -157,8 +157,8 @@ class GGUFSpec:
 IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
 
 
-# native image-text types whose language model exports alone
-QWEN_VL_TEXT = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
+# Native image-text types whose language model exports alone (gguf_qwen_vl.py, gguf_qwen35.py).
+QWEN_VL_TEXT = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 def text_hf(cfg: Any) -> dict:

@@ -312,6 +312,23 @@ def qwen2_5_vl_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def qwen3_vl_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
+    """The tiny Qwen3-VL of `vlm_folder` rebuilt as llama.cpp's qwen3vl runs it: mRoPE
+    sections its interleaved M-RoPE turns as transformers does ([2, 1, 1] over the 4
+    frequencies: every one covered) and a third decoder layer, so the two deepstack features
+    end before the last (checkpoint/gguf_qwen_vl.py says why); random weights."""
+    import transformers
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"]["mrope_section"] = [2, 1, 1]
+    cfg["text_config"]["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForImageTextToText.from_config(config).float().save_pretrained(folder)
+    return folder
+
+
 def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
     """transformers + peft's loss summed over labelled tokens, one example at a time
     (`inputs(ex)`: the model's keyword inputs of one example), backpropagated."""
