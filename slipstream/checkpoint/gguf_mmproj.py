@@ -15,7 +15,9 @@ patch and position embeddings stay f32, as its converter keeps them.
 Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemma's RMSNorm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
-transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py).
+transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py),
+`mistral3` (Pixtral tower, patch merger, GELU projector and the `[IMG_BREAK]` embedding as
+llama.cpp's `pixtral`: gguf_mmproj_pixtral.py).
 Every other image-text type is refused in one line naming it. What a spec is and the names
 shared by several towers: gguf_mmproj_spec.py.
 """
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_mmproj_pixtral import PIXTRAL
 from slipstream.checkpoint.gguf_mmproj_qwen import QWEN25VL
 from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
 
@@ -46,7 +49,6 @@ NOT_WRITTEN = {
     "llava": "llama.cpp's CLIP graph (llama-cpp-python 0.3.36) appends the class token after "
     "the patches and then reads rows 1..n as patches, so it computes another model "
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
-    "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
@@ -149,6 +151,7 @@ def vision_tensors(folder: Path, spec: MmprojSpec) -> Iterator[tuple[str, torch.
                     yield from out
                 elif out is not None:
                     yield out
+    yield from spec.extra_tensors(folder)
 
 
 def tensor_dtype(name: str, shape: tuple[int, ...], type: str) -> Any:
@@ -163,6 +166,7 @@ def _write(folder: Path, hf: dict, processor: dict, out: str, type: str) -> None
     import gguf
 
     spec = SPECS[hf["model_type"]]
+    spec = spec.bind(spec, hf)
     file_type = gguf.LlamaFileType.ALL_F32 if type == "f32" else gguf.LlamaFileType.MOSTLY_F16
     w = gguf.GGUFWriter(out, "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -284,4 +288,5 @@ SPECS = {
     "idefics3": IDEFICS3,
     "smolvlm": IDEFICS3,
     "qwen2_5_vl": QWEN25VL,
+    "mistral3": PIXTRAL,
 }
