@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from helpers.tiny_vlm import (
+    mistral3_as_llama_cpp,
     qwen2_5_vl_as_llama_cpp,
     qwen3_vl_as_llama_cpp,
     randomise_constant_tensors,
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from slipstream.checkpoint.gguf_export import mmproj_path
 from slipstream.checkpoint.gguf_mmproj import adapter_trains_vision
+from slipstream.checkpoint.gguf_spec import permute_rotary
 from slipstream.cli import main
 
 gguf = pytest.importorskip("gguf")
@@ -267,7 +269,89 @@ def test_a_qwen3_vl_llama_cpp_would_run_differently_is_one_line(edit, says, tmp_
     assert not list(folder.glob("gguf/*"))
 
 
-@pytest.mark.parametrize("kind", ["llava", "mistral3"])
+def test_mistral3_text_gguf_and_pixtral_mmproj(tmp_path):
+    folder = mistral3_as_llama_cpp(vlm_folder(tmp_path / "m", "mistral3"))
+    randomise_constant_tensors(folder)
+    out = tmp_path / "m.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(out)
+    text = fields(reader)
+    assert text["general.architecture"] == "mistral3"  # as llama.cpp's converter writes it
+    assert text["tokenizer.ggml.pre"] == "tekken"
+    assert text["mistral3.rope.dimension_count"] == text["mistral3.attention.key_length"] == 8
+    saved = load_file(folder / "model.safetensors")  # the hub's layout or transformers 5's
+
+    def hf(name):  # the one saved tensor whose name ends so
+        (key,) = [k for k in saved if k.endswith(name)]
+        return saved[key]
+
+    lm = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert not [n for n in lm if n.startswith(("v.", "mm."))]
+    q = hf("layers.1.self_attn.q_proj.weight")  # 4 heads, rows permuted
+    assert torch.equal(lm["blk.1.attn_q.weight"].reshape(q.shape), permute_rotary(q, 4))
+    mm = gguf.GGUFReader(tmp_path / "mmproj-m.f32.gguf")
+    meta = fields(mm)
+    assert meta["clip.projector_type"] == "pixtral" and meta["clip.use_silu"] is True
+    assert "clip.use_gelu" not in meta
+    assert meta["clip.vision.spatial_merge_size"] == 2
+    assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert (meta["clip.vision.image_size"], meta["clip.vision.patch_size"]) == (56, 7)
+    assert meta["clip.vision.block_count"] == 2 and meta["clip.vision.attention.head_count"] == 2
+    assert meta["clip.vision.projection_dim"] == 32
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in mm.tensors}
+    layer = {f"v.blk.{i}.{p}.weight" for i in range(2) for p in
+             ("attn_q", "attn_k", "attn_v", "attn_out", "ln1", "ln2", "ffn_gate", "ffn_up",
+              "ffn_down")}  # fmt: skip
+    assert set(tensors) == layer | {
+        "v.patch_embd.weight", "v.pre_ln.weight", "mm.input_norm.weight",
+        "mm.patch_merger.weight", "mm.1.weight", "mm.2.weight", "v.token_embd.img_break",
+    }  # fmt: skip
+    tower = "vision_tower.transformer.layers.1"
+    for part, permuted in (("q", True), ("k", True), ("v", False)):
+        w = hf(f"{tower}.attention.{part}_proj.weight")
+        want = permute_rotary(w, 2) if permuted else w  # 2-D RoPE's pairs, as the text model's
+        assert torch.equal(tensors[f"v.blk.1.attn_{part}.weight"].reshape(w.shape), want)
+    merger = hf("patch_merger.merging_layer.weight")  # (16, 16 * 4)
+    assert torch.equal(tensors["mm.patch_merger.weight"].reshape(merger.shape), merger)
+    conv = hf("vision_tower.patch_conv.weight")
+    assert torch.equal(tensors["v.patch_embd.weight"].reshape(conv.shape), conv)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    brk = next(a["id"] for a in tok["added_tokens"] if a["content"] == "[IMG_BREAK]")
+    embed = hf("embed_tokens.weight")
+    assert torch.equal(tensors["v.token_embd.img_break"], embed[brk])
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({}, "the projector norm's eps 1e-06 (text rms_norm_eps; llama.cpp: 1e-05)"),
+        ({"vision_feature_layer": -2}, "vision_feature_layer -2 (llama.cpp: the last layer, -1)"),
+        ({"projector_hidden_act": "silu"}, "projector_hidden_act silu (llama.cpp: gelu)"),
+        ({"vision_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}},
+         "the tower's RoPE base 1e+06 (llama.cpp: 10000)"),
+        ({"text_config": {"sliding_window": 16}},
+         "sliding_window 16 < max_position_embeddings 512"),
+        ({"text_config": {"model_type": "ministral3"}},  # Ministral 3: yarn + temperature
+         "mistral3 with a 'ministral3' language model: only a Mistral one is written here"),
+    ],
+)  # fmt: skip
+def test_a_mistral3_llama_cpp_would_run_differently_is_one_line(edit, said, tmp_path, capsys):
+    folder = vlm_folder(tmp_path / "m", "mistral3")
+    if edit:  # else vlm_folder's own: MistralConfig's rms_norm_eps 1e-6 for the projector norm
+        mistral3_as_llama_cpp(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        for key, value in edit.items():
+            cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+        (folder / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16"]) == 2
+    # the text model's refusal comes after loading it (transformers' progress bars first)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("slipstream")]
+    assert len(err) == 1 and said in err[0]
+    assert not list(folder.glob("gguf/*"))  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["llava"])
 def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_path, capsys):
     folder = vlm_folder(tmp_path / kind, kind)
     capsys.readouterr()  # what building the checkpoint printed
@@ -275,7 +359,7 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
-    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl." in err
+    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3." in err
     assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 

@@ -56,7 +56,7 @@ def gguf_arch(model_type: str) -> Any:
     import gguf
 
     if model_type in IMAGE_TEXT_LM:
-        return gguf.MODEL_ARCH[BY_MODEL_TYPE["llama"].arch]
+        return gguf.MODEL_ARCH[BY_MODEL_TYPE.get(model_type, BY_MODEL_TYPE["llama"]).arch]
     if model_type in NOT_WRITTEN:
         raise ValueError(f"GGUF export: model_type {model_type!r} {NOT_WRITTEN[model_type]}")
     arch = ARCHS.get(model_type) or getattr(GENERIC_SPECS.get(model_type), "arch", None)
@@ -72,6 +72,8 @@ def spec_for(cfg: Any) -> GGUFSpec:
     """The GGUF spec of a built model: its native family's, or for a model of transformers'
     modeling code the generic one of its type (gguf_generic.py); an image-text model's
     language model's (IMAGE_TEXT_LM); else a one-line error."""
+    if cfg.model_type in BY_MODEL_TYPE and cfg.model_type in IMAGE_TEXT_LM:
+        return BY_MODEL_TYPE[cfg.model_type]  # its own spec, which checks its language model
     if cfg.model_type in IMAGE_TEXT_LM:
         kind = text_hf(cfg).get("model_type")
         if kind != "llama":

@@ -7,6 +7,8 @@ SPECS.
   `rope_freqs` divisors (and original_max_position_embeddings as
   `rope.scaling.original_context_length`, which llama.cpp reads for yarn only: import takes
   it to rebuild the same config, `gguf_llama3.py`).
+- mistral3: Mistral 3's language model (model.language_model) as llama.cpp's mistral3 (llama's
+  layout; export only, its vision side goes to the mmproj).
 - gemma3: RMSNorm weights stored as 1 + w (HF's Gemma3RMSNorm adds the 1 at run time).
 - qwen3_moe: one (E, F, D) tensor per expert projection (HF names one matrix per expert:
   stacked as they come by `gguf_arch.gguf_tensors`, split again on import).
@@ -136,6 +138,38 @@ LLAMA = GGUFSpec(
     ),
     pre_tokenizer="llama-bpe",
 )
+
+
+def _mistral3_check(cfg: Any, hf: dict) -> None:
+    """Mistral 3's language model as llama.cpp's mistral3 graph runs it: a Mistral decoder
+    (llama's, Q/K permuted the same way), RoPE without scaling, no sliding window."""
+    kind = hf.get("model_type")
+    if kind != "mistral":  # Ministral 3: yarn + Llama 4's attention temperature, unverified
+        raise ValueError(
+            f"GGUF export: mistral3 with a {kind!r} language model: only a Mistral one is "
+            "written here (Ministral 3's yarn RoPE with attention temperature is not checked "
+            "against llama.cpp)."
+        )
+    if cfg.rope.rope_type != "default":
+        raise ValueError(
+            f"GGUF export: mistral3 with {cfg.rope.rope_type} RoPE scaling: llama.cpp's "
+            "mistral3 is written here with plain RoPE only."
+        )
+    window, longest = hf.get("sliding_window"), int(hf.get("max_position_embeddings") or 0)
+    if window and int(window) < longest:
+        raise ValueError(
+            f"GGUF export: mistral3 with sliding_window {window} < max_position_embeddings "
+            f"{longest}: llama.cpp's mistral3 attends to the whole context."
+        )
+
+
+# Mistral 3's language model (model.language_model: IMAGE_TEXT_LM): llama.cpp's mistral3, as
+# its converter writes Mistral3ForConditionalGeneration. Export only, as qwen2vl. Its
+# checkpoints ship Mistral's Tekken BPE tokenizer: llama.cpp's "tekken" pre-tokenizer.
+MISTRAL3 = GGUFSpec(
+    "MISTRAL3", "mistral3", ("mistral3",), check=_mistral3_check, transforms=LLAMA.transforms,
+    pre_tokenizer="tekken",
+)  # fmt: skip
 
 # ----------------------------------------------------------------------------- qwen
 
@@ -425,7 +459,7 @@ GPT_OSS = GGUFSpec(
 )
 
 SPECS = (LLAMA, QWEN2, QWEN3, QWEN3MOE, PHI3, GEMMA3, GPT_OSS)
-# Language models of image-text types: gguf_qwen_vl.py, gguf_qwen35.py
-EXPORT_ONLY = (QWEN2VL, QWEN3VL, QWEN35, QWEN35MOE)
+# Language models of image-text types: gguf_qwen_vl.py, gguf_qwen35.py, MISTRAL3 above
+EXPORT_ONLY = (QWEN2VL, QWEN3VL, QWEN35, QWEN35MOE, MISTRAL3)
 BY_MODEL_TYPE = {t: spec for spec in (*SPECS, *EXPORT_ONLY) for t in spec.model_types}
 BY_ARCH = {spec.name: spec for spec in SPECS}  # a file's general.architecture: what import reads

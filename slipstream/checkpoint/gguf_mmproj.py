@@ -16,7 +16,9 @@ Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
 transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger) and `qwen3_vl` (its ViT,
-2 x 2 merger and deepstack mergers): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py.
+2 x 2 merger and deepstack mergers): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py;
+`mistral3` (Pixtral tower, patch merger, GELU projector and the `[IMG_BREAK]` embedding as
+llama.cpp's `pixtral`: gguf_mmproj_pixtral.py).
 Every other image-text type is refused in one line naming it. What a spec is and the names
 shared by several towers: gguf_mmproj_spec.py.
 """
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_mmproj_pixtral import PIXTRAL
 from slipstream.checkpoint.gguf_mmproj_qwen import QWEN3VL, QWEN25VL
 from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
 
@@ -47,7 +50,6 @@ NOT_WRITTEN = {
     "llava": "llama.cpp's CLIP graph (llama-cpp-python 0.3.36) appends the class token after "
     "the patches and then reads rows 1..n as patches, so it computes another model "
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
-    "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
 }
 _VISION_MODULE = re.compile(
@@ -149,6 +151,7 @@ def vision_tensors(folder: Path, spec: MmprojSpec, hf: dict) -> Iterator[tuple[s
                     yield from out
                 elif out is not None:
                     yield out
+    yield from spec.extra_tensors(folder)
 
 
 def tensor_dtype(name: str, shape: tuple[int, ...], type: str) -> Any:
@@ -285,4 +288,5 @@ SPECS = {
     "smolvlm": IDEFICS3,
     "qwen2_5_vl": QWEN25VL,
     "qwen3_vl": QWEN3VL,
+    "mistral3": PIXTRAL,
 }

@@ -6,7 +6,7 @@ converter maps them."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,8 @@ class MmprojSpec:
     vision: Callable[[dict], dict] = lambda hf: hf["vision_config"]
     # why llama.cpp would run this config's tower differently (a line), or None
     check: Callable[[dict], str | None] = lambda hf: None
+    # folder -> (name, tensor)s from outside the vision side (pixtral: the [IMG_BREAK] row)
+    extra_tensors: Callable[[Any], Iterator[tuple[str, torch.Tensor]]] = lambda folder: iter(())
 
 
 def encoder_name(name: str) -> str | None:

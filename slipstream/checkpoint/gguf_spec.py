@@ -153,8 +153,10 @@ class GGUFSpec:
 
 
 # Image-text types whose language model exports as its own family: model_type -> the prefix
-# of the language model's names in transformers' module tree (hf_state's names).
-IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
+# of the language model's names in transformers' module tree (hf_state's names). Llama's
+# spec, or the type's own where it has one (mistral3: gguf_families.MISTRAL3).
+IMAGE_TEXT_LM = {"idefics3": "model.text_model.", "smolvlm": "model.text_model.",
+                 "mistral3": "model.language_model."}  # fmt: skip
 
 
 # Native image-text types whose language model exports alone (gguf_qwen_vl.py, gguf_qwen35.py).

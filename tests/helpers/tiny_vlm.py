@@ -329,6 +329,23 @@ def qwen3_vl_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def mistral3_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
+    """The tiny Mistral 3 of `vlm_folder` rebuilt as llama.cpp's pixtral graph runs it: two
+    tower blocks whose MLP is gated by SiLU (as Mistral Small 3.1's), the projector's norm eps
+    1e-5 (llama.cpp's one eps; MistralConfig's default is 1e-6), random weights."""
+    import transformers
+
+    cfg = json.loads((folder / "config.json").read_text())
+    # weights of 0.3 (transformers' 0.02 leaves attention uniform: RoPE would not show)
+    cfg["vision_config"].update(hidden_act="silu", num_hidden_layers=2, initializer_range=0.2)
+    cfg["text_config"]["rms_norm_eps"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForImageTextToText.from_config(config).float().save_pretrained(folder)
+    return folder
+
+
 def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
     """transformers + peft's loss summed over labelled tokens, one example at a time
     (`inputs(ex)`: the model's keyword inputs of one example), backpropagated."""
