@@ -26,6 +26,7 @@ from slipstream.models.qwen3_moe import PER_EXPERT
 # family's vision side.
 VISION_SIDE = (
     "vision_tower.",
+    "embed_vision.",  # Gemma 4's
     "multi_modal_projector.",
     "visual.",
     "model.visual.",
@@ -44,14 +45,9 @@ _QWEN35 = ("(llama.cpp's {}) is not written by slipstream yet: its Gated DeltaNe
            "llama.cpp's layout (value heads regrouped, A stored as -exp(A_log), offset norms + "
            "1), unverified here without llama.cpp; export the merged HF checkpoint and convert "
            "it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
-_GEMMA4 = ("is not written by slipstream yet: the gguf package names the GEMMA4 architecture, "
-           "but no spec for it here is checked against llama.cpp (per-layer inputs, K/V "
-           "sharing, per-layer head dims, proportional RoPE); export the merged HF checkpoint "
-           "and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
 NOT_WRITTEN = {
     **{kind: _QWEN35.format("qwen35") for kind in ("qwen3_5_text", "qwen3_5")},
     **{kind: _QWEN35.format("qwen35moe") for kind in ("qwen3_5_moe_text", "qwen3_5_moe")},
-    **{kind: _GEMMA4 for kind in ("gemma4_text", "gemma4")},
 }
 
 
@@ -162,7 +158,7 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     num_experts = getattr(cfg, "num_experts", None) or _num_experts(cfg)
 
     def rename(hf_name: str) -> str:
-        out = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        out = names.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
         if out is None:
             raise ValueError(
                 f"GGUF export: no llama.cpp name for tensor {hf_name!r} ({spec.arch})."

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.checkpoint.gguf_fields import decimal, field
+from slipstream.checkpoint.gguf_gemma4 import GEMMA4
 from slipstream.checkpoint.gguf_spec import (
     GGUFSpec,
     TensorTransform,
@@ -440,6 +441,6 @@ GPT_OSS = GGUFSpec(
 )
 
 SPECS = (LLAMA, QWEN2, QWEN3, QWEN3MOE, PHI3, GEMMA3, GPT_OSS)
-EXPORT_ONLY = (QWEN2VL,)
+EXPORT_ONLY = (QWEN2VL, GEMMA4)
 BY_MODEL_TYPE = {t: spec for spec in (*SPECS, *EXPORT_ONLY) for t in spec.model_types}
 BY_ARCH = {spec.name: spec for spec in SPECS}  # a file's general.architecture: what import reads

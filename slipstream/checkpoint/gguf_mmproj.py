@@ -47,6 +47,8 @@ NOT_WRITTEN = {
     "the patches and then reads rows 1..n as patches, so it computes another model "
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
+    "gemma4": "its vision tower (llama.cpp's gemma4v projector) is not written here yet; the "
+    "text model is (export_gguf in Python)",
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }

@@ -147,8 +147,8 @@ QWEN_VL_TEXT = ("qwen2_5_vl",)  # native image-text types whose language model e
 def text_hf(cfg: Any) -> dict:
     """config.json of the language model (a multimodal Gemma 3's, Idefics3's text_config)."""
     hf = cfg.hf
-    if cfg.model_type == "gemma3":
-        return {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+    if cfg.model_type in ("gemma3", "gemma4"):
+        return {**hf.get("text_config", {}), "model_type": cfg.model_type + "_text"}
     if cfg.model_type in IMAGE_TEXT_LM:
         return {"model_type": "llama", **hf.get("text_config", {})}
     if cfg.model_type in QWEN_VL_TEXT:  # the text part, its mRoPE sections kept
