@@ -15,7 +15,8 @@ patch and position embeddings stay f32, as its converter keeps them.
 Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemma's RMSNorm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
-transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py).
+transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger: gguf_mmproj_qwen.py),
+`gemma4` (llama.cpp's gemma4v: gguf_mmproj_gemma4.py).
 Every other image-text type is refused in one line naming it. What a spec is and the names
 shared by several towers: gguf_mmproj_spec.py.
 """
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_mmproj_gemma4 import GEMMA4V
 from slipstream.checkpoint.gguf_mmproj_qwen import QWEN25VL
 from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
 
@@ -47,8 +49,6 @@ NOT_WRITTEN = {
     "the patches and then reads rows 1..n as patches, so it computes another model "
     "(ggml-org/llama.cpp#25814, fixed by PR #25844, open)",
     "mistral3": _NO_TEXT.format("Mistral under model.language_model"),
-    "gemma4": "its vision tower (llama.cpp's gemma4v projector) is not written here yet; the "
-    "text model is (export_gguf in Python)",
     "qwen2_vl": _NO_TEXT.format("llama.cpp's qwen2vl: M-RoPE sections"),
     "qwen3_vl": _NO_TEXT.format("llama.cpp's qwen3vl: interleaved M-RoPE, deepstack"),
 }
@@ -286,4 +286,5 @@ SPECS = {
     "idefics3": IDEFICS3,
     "smolvlm": IDEFICS3,
     "qwen2_5_vl": QWEN25VL,
+    "gemma4": GEMMA4V,
 }
