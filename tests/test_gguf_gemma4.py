@@ -144,3 +144,17 @@ def test_what_llama_cpp_would_compute_differently_is_refused(tmp_path, tokenizer
     with pytest.raises(ValueError, match=match) as e:
         export_gguf(ours, out / "m.gguf", "f16", tokenizer=tokenizer)
     assert "\n" not in str(e.value) and list(out.iterdir()) == []
+
+
+def test_gguf_lora_on_the_per_layer_input_projection_is_refused(tmp_path):
+    """llama.cpp multiplies per_layer_model_projection without its LoRA hook."""
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.peft.lora import apply_lora
+
+    _, model = saved(tmp_path)
+    apply_lora(model, rank=2, alpha=4, targets=["q_proj", "per_layer_model_projection"])
+    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="applies no LoRA to 'model.per_layer_model_") as e:
+        export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")
+    assert "\n" not in str(e.value) and not (tmp_path / "lora.gguf").exists()

@@ -152,18 +152,25 @@ def test_llama_cpp_q8_0_and_k_quants_load(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q4_k_m.gguf", "q6_k.gguf", "q8_0.gguf"]
 
 
-def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer):
+# Gemma 4: every linear llama.cpp puts its LoRA hook on (per_layer_model_projection: refused)
+LORA_TARGETS = {"llama": "all-linear", "gemma4_text": [
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "per_layer_input_gate", "per_layer_projection"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(LORA_TARGETS))
+def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer, kind):
     from slipstream.checkpoint.adapter import save_adapter
     from slipstream.checkpoint.gguf_lora import export_adapter_gguf
     from slipstream.checkpoint.hf import load_model
     from slipstream.peft.lora import apply_lora, merge_lora
     from tests.helpers.models import randomise_lora_b
 
-    hf = tiny("llama")
+    hf = tiny(kind)
     hf.save_pretrained(tmp_path / "base")
     model = load_model(tmp_path / "base")
     export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
-    apply_lora(model, rank=8, alpha=16, targets="all-linear")
+    apply_lora(model, rank=8, alpha=16, targets=LORA_TARGETS[kind])
     randomise_lora_b(model)
     save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "base"))
     lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")

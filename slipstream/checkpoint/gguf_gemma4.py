@@ -21,7 +21,8 @@ What llama.cpp's gemma4 reads, from its converter (Gemma4Model) and its model co
   they are.
 Refused in one line, before anything is written: whatever llama.cpp fixes otherwise (exact
 GELU, attention bias, a per-layer vocabulary other than the vocabulary, sliding RoPE other than
-the default, head dims that differ within a kind, K/V sources other than llama.cpp's).
+the default, head dims that differ within a kind, K/V sources other than llama.cpp's); and a
+GGUF LoRA (gguf_lora.py) on `per_layer_model_projection`, where llama.cpp applies none.
 No torch import at module level (gguf_spec.py says why).
 """
 
@@ -73,8 +74,8 @@ def _check(cfg: Any, hf: dict) -> None:
     if sources != list(cfg.kv_source):
         refuse(
             f"K/V sources {list(cfg.kv_source)}",
-            f"llama.cpp's shared layers reuse the last full and the one sliding layer before "
-            f"it ({sources})",
+            f"llama.cpp's shared layers reuse the last layer computing K/V (full ones) or the "
+            f"one before it (sliding ones): {sources}",
         )
     if sum(s == i for i, s in enumerate(cfg.kv_source)) < 2:
         refuse("fewer than 2 layers computing K/V", "llama.cpp's gemma4 needs at least two")
@@ -174,4 +175,7 @@ GEMMA4 = GGUFSpec(
         _renamed("router.scale", "router.proj.scale"),
         _renamed("router.per_expert_scale", "experts.down_proj.scale"),
     ),
+    # llama.cpp's per-layer input projection is a plain ggml_mul_mat (gemma4.cpp): measured,
+    # a LoRA on it left llama.cpp's logits 31% of the adapter's move away from merging.
+    no_lora=("per_layer_model_projection",),
 )

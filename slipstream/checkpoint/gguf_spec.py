@@ -110,6 +110,8 @@ class GGUFSpec:
     complete: bool = True  # fill transformers' defaults for the model type after read_config
     transforms: tuple[TensorTransform, ...] = ()
     pre_tokenizer: str = "default"  # llama.cpp's BPE pre-tokenizer name for its tokenizers
+    # modules llama.cpp multiplies without its LoRA hook: a GGUF LoRA on them is refused
+    no_lora: tuple[str, ...] = ()
 
     @property
     def model_type(self) -> str:
