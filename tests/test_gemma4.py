@@ -306,17 +306,6 @@ def test_image_text_checkpoint_trains_its_language_model(tmp_path):
         assert torch.equal(back.model.vision_tower.state_dict()[name], t), name
 
 
-def test_gguf_export_refuses_in_one_line(hf_dir, tmp_path):
-    from slipstream.checkpoint.gguf_export import export_gguf
-
-    _, path = hf_dir
-    with pytest.raises(
-        ValueError, match="not written by slipstream yet: the gguf package names the GEMMA4"
-    ) as e:
-        export_gguf(slipstream.load_model(path), tmp_path / "m.gguf", "f16")
-    assert "\n" not in str(e.value) and list(tmp_path.iterdir()) == []
-
-
 def test_generation_logprobs_are_of_the_softcapped_logits(hf_dir):
     """The engine's log-probs (GRPO's rollout log-probs) are of transformers' logits, final
     softcap included (tanh(z / 30) * 30 moves these by a few percent)."""

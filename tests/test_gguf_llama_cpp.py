@@ -29,11 +29,22 @@ LLAMA3_ROPE = dict(max_position_embeddings=512, rope_scaling=dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64))  # fmt: skip
 FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text",
-            "qwen3_moe", "gpt_oss"]  # fmt: skip
+            "qwen3_moe", "gpt_oss", "gemma4_text", "gemma4_text_moe"]  # fmt: skip
+# Gemma 4 (tests/helpers/tiny_hf.py): 4 layers sliding (window 4, shorter than the prompt) /
+# full alternating, full layers with their own head dim (16 vs 8), one KV head and k = v,
+# proportional RoPE on a quarter of the full head, per-layer inputs, layers 2-3 reusing layers
+# 0-1's K/V with double-wide MLPs, softcapped logits; the MoE variant adds the routed experts
+# beside the dense MLP (and ties the embeddings). Norms, layer scalars and router scales are
+# randomised (ones by default: a dropped one would not show).
+GEMMA4 = {"gemma4_text": {}, "gemma4_text_moe": dict(
+    hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+    tie_word_embeddings=True)}  # fmt: skip
 PROMPT = "Hello, how are you doing today? I went hiking in the mountains."
 
 
 def tiny(kind: str):
+    if kind in GEMMA4:
+        return tiny_gemma4(kind)
     if kind == "qwen3_moe":
         return make_hf_moe_model(kind, vocab_size=VOCAB, hidden_size=64, head_dim=16)
     if kind == "gpt_oss":  # llama.cpp fixes the clamp at 7.0
@@ -41,6 +52,31 @@ def tiny(kind: str):
     if kind == "llama3_rope":
         return make_hf_model("llama", **DENSE, **LLAMA3_ROPE)
     return make_hf_model(kind, **{**DENSE, **OVERRIDES.get(kind, {})})
+
+
+def tiny_gemma4(kind: str):
+    from tests.helpers.tiny_hf import tiny_config
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2)
+    cfg = tiny_config(kind, 4, **{**sizes, **GEMMA4[kind]})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
+            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")):
+                t.copy_(1 + 0.2 * torch.randn_like(t))
+    return hf
+
+
+def ours_of(hf, tmp_path):
+    """Ours through the production loader (Gemma 4: layer scalars, shared layers' unused
+    K/V); the other families by state dict."""
+    if hf.config.model_type != "gemma4_text":
+        return ours_from_hf(hf)
+    from slipstream.checkpoint.hf import load_model
+
+    hf.save_pretrained(tmp_path / "hf")
+    return load_model(tmp_path / "hf")
 
 
 def _no_repack_params():
@@ -89,7 +125,7 @@ def greedy_ours(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_llama_cpp_logits_and_greedy_match(tmp_path, tokenizer, kind):
-    ours = ours_from_hf(tiny(kind))
+    ours = ours_of(tiny(kind), tmp_path)
     ids = tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
         ref = ours(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
@@ -97,6 +133,7 @@ def test_llama_cpp_logits_and_greedy_match(tmp_path, tokenizer, kind):
     llm, got = llama_cpp_logits(path, ids)
     # llama.cpp keeps K/V in f16 and sums in its own order: ~1e-3 of the logit scale.
     err = (got - ref).abs().max() / ref.abs().max()
+    print(f"{kind}: llama.cpp logits rel {err:.2e}")
     assert err < 5e-3, f"{kind}: llama.cpp logits differ by {err:.2e} (relative)"
     assert greedy_llama_cpp(llm, ids, 8) == greedy_ours(ours, ids, 8)
 
@@ -115,18 +152,25 @@ def test_llama_cpp_q8_0_and_k_quants_load(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q4_k_m.gguf", "q6_k.gguf", "q8_0.gguf"]
 
 
-def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer):
+# Gemma 4: every linear llama.cpp puts its LoRA hook on (per_layer_model_projection: refused)
+LORA_TARGETS = {"llama": "all-linear", "gemma4_text": [
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "per_layer_input_gate", "per_layer_projection"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(LORA_TARGETS))
+def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer, kind):
     from slipstream.checkpoint.adapter import save_adapter
     from slipstream.checkpoint.gguf_lora import export_adapter_gguf
     from slipstream.checkpoint.hf import load_model
     from slipstream.peft.lora import apply_lora, merge_lora
     from tests.helpers.models import randomise_lora_b
 
-    hf = tiny("llama")
+    hf = tiny(kind)
     hf.save_pretrained(tmp_path / "base")
     model = load_model(tmp_path / "base")
     export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
-    apply_lora(model, rank=8, alpha=16, targets="all-linear")
+    apply_lora(model, rank=8, alpha=16, targets=LORA_TARGETS[kind])
     randomise_lora_b(model)
     save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "base"))
     lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")

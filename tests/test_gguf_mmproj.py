@@ -156,6 +156,76 @@ def test_qwen2_5_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
+def test_gemma4_text_gguf_and_mmproj(tmp_path):
+    folder = vlm_folder(tmp_path / "g", "gemma4")
+    randomise_constant_tensors(folder)
+    out = tmp_path / "g.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    text = gguf.GGUFReader(out)
+    assert fields(text)["general.architecture"] == "gemma4"  # the language model alone
+    assert not [t.name for t in text.tensors if t.name.startswith(("v.", "mm."))]
+    reader = gguf.GGUFReader(tmp_path / "mmproj-g.f32.gguf")
+    meta = fields(reader)
+    assert meta["clip.projector_type"] == "gemma4v" and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.projection_dim"] == 32 and meta["clip.vision.embedding_length"] == 16
+    assert meta["clip.vision.patch_size"] == 4 and meta["clip.vision.block_count"] == 1
+    assert "clip.vision.projector.scale_factor" not in meta  # kernel 3: llama.cpp's default
+    # Gemma 4's processor only rescales; its graph maps [0, 1] to [-1, 1] itself
+    assert meta["clip.vision.image_mean"] == [0.0] * 3
+    assert meta["clip.vision.image_std"] == [1.0] * 3
+    tensors = {t.name: t for t in reader.tensors}
+    hf = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
+
+    def back(name):  # GGUF lists dims fastest first: torch's shape reversed
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).reshape(tuple(reversed(t.shape.tolist())))
+
+    proj = hf["vision_tower.patch_embedder.input_proj.weight"]  # (16, 4 * 4 * 3): (py, px, c)
+    conv = proj.reshape(16, 4, 4, 3).permute(0, 3, 1, 2)
+    assert torch.equal(back("v.patch_embd.weight"), conv)  # a (D, c, p, p) conv
+    table = hf["vision_tower.patch_embedder.position_embedding_table"]  # (2, 256, 16): x, y
+    assert torch.equal(back("v.position_embd.weight"), table)
+    layer = "vision_tower.encoder.layers.0"
+    assert torch.equal(back("v.blk.0.attn_q.weight"), hf[f"{layer}.self_attn.q_proj.linear.weight"])
+    assert torch.equal(back("v.blk.0.attn_q_norm.weight"), hf[f"{layer}.self_attn.q_norm.weight"])
+    assert torch.equal(
+        back("v.blk.0.ffn_post_norm.weight"), hf[f"{layer}.post_feedforward_layernorm.weight"]
+    )  # w, not 1 + w
+    proj = hf["embed_vision.embedding_projection.weight"]  # (text, vision): kept
+    assert torch.equal(back("mm.input_projection.weight"), proj)
+    assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
+    # Gemma4ClippableLinear's bounds (0-d buffers): 1-element tensors beside their weight
+    from slipstream.checkpoint.gguf_mmproj_gemma4 import GEMMA4V
+
+    name, t = GEMMA4V.rename(f"{layer}.mlp.down_proj.output_min", torch.tensor(-1.5), {})
+    assert name == "v.blk.0.ffn_down.output_min" and t.tolist() == [-1.5]
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda c: c["vision_config"].update(rope_parameters={"rope_type": "axial",
+                                                              "rope_theta": 10.0}),
+         "RoPE base 10 (llama.cpp: 100)"),
+        (lambda c: c["text_config"].update(use_bidirectional_attention=None),
+         "llama.cpp decodes its images bidirectionally"),
+        (lambda c: c.update(audio_config={"model_type": "gemma4_audio"}), "audio tower"),
+    ],
+)  # fmt: skip
+def test_a_gemma4_vision_side_llama_cpp_would_run_differently_is_one_line(
+    tmp_path, capsys, change, said
+):
+    folder = vlm_folder(tmp_path / "g", "gemma4")
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    assert not (folder / "gguf").exists()  # refused before anything is written
+
+
 def test_a_qwen2_5_vl_tower_llama_cpp_would_run_differently_is_one_line(tmp_path, capsys):
     folder = vlm_folder(tmp_path / "q", "qwen2_5_vl")  # a 56-px window: llama.cpp fixes 112
     capsys.readouterr()
@@ -359,7 +429,7 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
-    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3." in err
+    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3, gemma4." in err
     assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 

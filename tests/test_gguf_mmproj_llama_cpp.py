@@ -8,8 +8,10 @@ Preprocessing is controlled so both sides see the same pixels: Gemma 3 gets an i
 model's size (28x28: resizing is a copy on both sides); Idefics3 and SmolVLM one at the
 processor's longest edge (56x56), cut into four 28x28 tiles (copies) plus an overview resized
 to 28x28 (llama.cpp's Pillow-style Lanczos against Pillow's: the embeddings agree as closely
-as the tiles'); Mistral 3 one of 42 x 56, which neither side resizes (its section below).
-Normalisation is the image processor's mean and std, from the mmproj file.
+as the tiles'); Mistral 3 one of 42 x 56, which neither side resizes (its section below);
+Gemma 4 one of 84x120 (7 x 10 pooled 12-px cells = 70 tokens: the processor's
+max_soft_tokens and llama.cpp's minimum, so neither resizes). Normalisation is the image
+processor's mean and std, from the mmproj file.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ transformers = pytest.importorskip("transformers")
 # layers sliding), with a window that lets the image reach the prompt's last token.
 GEMMA3_TEXT = dict(query_pre_attn_scalar=8, layer_types=["sliding_attention"] * 2,
                    sliding_window=16)  # fmt: skip
-KINDS = {"gemma3": 28, "idefics3": 56, "smolvlm": 56}  # the image side given (module docstring)
+# (height, width) of the image given (module docstring) and the rows it becomes
+KINDS = {"gemma3": (28, 28), "idefics3": (56, 56), "smolvlm": (56, 56), "gemma4": (84, 120)}
+ROWS = {"gemma3": 4, "idefics3": 20, "smolvlm": 20, "gemma4": 70}
+# Gemma 4: a window holding the image and the prompt (transformers lets image rows see their
+# whole image on sliding layers, llama.cpp only within the window).
+TEXT = {"gemma3": GEMMA3_TEXT, "gemma4": dict(sliding_window=128)}
 PROMPT = "Look: <__media__> What is it?"
 NEW_TOKENS = 6
 WIDTH = 32  # the tiny models' text hidden size
@@ -42,7 +49,7 @@ def exported(request, tmp_path_factory):
     context and the mtmd context on them."""
     kind = request.param
     folder = tmp_path_factory.mktemp(kind)
-    vlm_folder(folder, kind, text=GEMMA3_TEXT if kind == "gemma3" else None)
+    vlm_folder(folder, kind, text=TEXT.get(kind))
     randomise_constant_tensors(folder)  # Gemma 3's projector starts at zero, norms at one
     text = tmp_path_factory.mktemp("gguf") / f"{kind}.f32.gguf"
     assert main(["export", str(folder), "--gguf", "f32", "--out", str(text)]) == 0
@@ -59,7 +66,8 @@ def hf_pixels(folder, image) -> dict:
     """The image processor's tensors for one image (Idefics3's tiles + overview as frames)."""
     processor = transformers.AutoImageProcessor.from_pretrained(str(folder))
     out = processor(images=[[image]], return_tensors="pt")
-    return {k: v for k, v in out.items() if k in ("pixel_values", "pixel_attention_mask")}
+    keep = ("pixel_values", "pixel_attention_mask", "image_position_ids")  # the last: Gemma 4
+    return {k: v for k, v in out.items() if k in keep}
 
 
 def hf_features(model, pixels: dict) -> torch.Tensor:
@@ -72,26 +80,29 @@ def hf_features(model, pixels: dict) -> torch.Tensor:
 
 def test_image_embeddings_equal_transformers(exported):
     kind, folder, llm, ctx = exported
-    image = random_image(KINDS[kind], KINDS[kind], seed=3)
+    image = random_image(*KINDS[kind], seed=3)
     ours = image_embeddings(ctx, image, PROMPT, WIDTH)
     model = hf_model(folder)
     theirs = hf_features(model, hf_pixels(folder, image))
-    assert ours.shape == theirs.shape == ((4 if kind == "gemma3" else 20), WIDTH)
+    assert ours.shape == theirs.shape == (ROWS[kind], WIDTH)
     err = (ours - theirs).abs().max() / theirs.abs().max()
+    print(f"{kind}: image embeddings rel {err:.2e}")
     assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
-    other = hf_features(model, hf_pixels(folder, random_image(*image.size, seed=4)))
+    other = hf_features(model, hf_pixels(folder, random_image(*KINDS[kind], seed=4)))
     assert (ours - other).abs().max() / theirs.abs().max() > 100 * err  # the check can fail
 
 
 def hf_inputs(kind, model, folder, prompt: list, image) -> dict:
     """The same prompt for transformers: the token ids llama.cpp ran, the image's rows as image
-    tokens (Gemma 3: token_type_ids 1, seen bidirectionally as llama.cpp decodes them)."""
+    tokens (Gemma 3: token_type_ids 1, Gemma 4: mm_token_type_ids 1, seen bidirectionally as
+    llama.cpp decodes them)."""
     ids, types = [], []
     for part in prompt:
         n = len(part) if isinstance(part, list) else -part
         ids += part if isinstance(part, list) else [model.config.image_token_id] * n
         types += [int(not isinstance(part, list))] * n
-    extra = {"token_type_ids": torch.tensor([types])} if kind == "gemma3" else {}
+    key = {"gemma3": "token_type_ids", "gemma4": "mm_token_type_ids"}.get(kind)
+    extra = {key: torch.tensor([types])} if key else {}
     mask = torch.ones(1, len(ids), dtype=torch.long)
     return dict(input_ids=torch.tensor([ids]), attention_mask=mask, **extra,
                 **hf_pixels(folder, image))  # fmt: skip
@@ -102,13 +113,14 @@ def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported
     model = hf_model(folder)
     firsts = []
     for seed in (5, 6):
-        image = random_image(KINDS[kind], KINDS[kind], seed=seed)
+        image = random_image(*KINDS[kind], seed=seed)
         prompt, first, got = generate(llm, ctx, image, PROMPT, NEW_TOKENS)
         inputs = hf_inputs(kind, model, folder, prompt, image)
         with torch.no_grad():
             theirs = model(**inputs).logits[0, -1]
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         err = (first - theirs).abs().max() / theirs.abs().max()
+        print(f"{kind}: logits after the image rel {err:.2e}")
         assert err < 5e-3, f"llama.cpp's logits after the image differ: rel {err:.2e}"
         assert got == out[0, inputs["input_ids"].shape[1] :].tolist()
         firsts.append(first)
@@ -241,3 +253,51 @@ def test_mistral3_logits_and_greedy_generation_with_the_image_equal_transformers
         firsts.append(first)
     # the image matters: another image gives other logits after the same text
     assert (firsts[0] - firsts[1]).abs().max() / firsts[0].abs().max() > 1e-2
+
+
+def clip_and_standardize(folder) -> None:
+    """Turn on Gemma 4's clipped linears (bounds that bite) and feature standardisation in a
+    saved checkpoint, in place (the vision side only changes)."""
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    config.vision_config.use_clipped_linears = True
+    config.vision_config.standardize = True
+    model = transformers.AutoModelForImageTextToText.from_pretrained(str(folder), config=config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, buf in model.model.vision_tower.named_buffers():
+            if name.endswith(("input_max", "output_max", "input_min", "output_min")):
+                sign = -1 if name.endswith("min") else 1
+                buf.fill_(sign * (0.5 + torch.rand((), generator=g).item()))
+            elif name.endswith("std_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
+            elif name.endswith("std_scale"):
+                buf.copy_(1 + 0.2 * torch.randn(buf.shape, generator=g))
+    model.float().save_pretrained(str(folder))
+
+
+def test_gemma4_clamps_and_standardisation_equal_transformers(tmp_path):
+    """Gemma4ClippableLinear's bounds (scalar tensors beside each weight) and std_bias /
+    std_scale: llama.cpp's embeddings equal transformers', which the bounds move."""
+    from slipstream.checkpoint.gguf_mmproj import export_mmproj
+
+    folder = vlm_folder(tmp_path / "gemma4", "gemma4", text=TEXT["gemma4"])
+    randomise_constant_tensors(folder)
+    text = tmp_path / "g.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(text)]) == 0
+    clip_and_standardize(folder)  # our loader takes no clipped tower: the mmproj alone, again
+    export_mmproj(folder, mmproj_path(text, "f32"), "f32")
+    llm, ctx = load(text, mmproj_path(text, "f32"))
+    image = random_image(*KINDS["gemma4"], seed=3)
+    ours = image_embeddings(ctx, image, PROMPT, WIDTH)
+    close(llm, ctx)
+    assert ours.shape == (ROWS["gemma4"], WIDTH)
+    theirs = hf_features(hf_model(folder), hf_pixels(folder, image))
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    print(f"gemma4 clipped + standardised: image embeddings rel {err:.2e}")
+    assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    config.vision_config.use_clipped_linears = False
+    auto = transformers.AutoModelForImageTextToText
+    unclipped = auto.from_pretrained(str(folder), config=config).float().eval()
+    moved = hf_features(unclipped, hf_pixels(folder, image))
+    assert (moved - theirs).abs().max() / theirs.abs().max() > 100 * err  # the bounds bite

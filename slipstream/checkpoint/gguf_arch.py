@@ -26,6 +26,7 @@ from slipstream.models.qwen3_moe import PER_EXPERT
 # family's vision side.
 VISION_SIDE = (
     "vision_tower.",
+    "embed_vision.",  # Gemma 4's
     "multi_modal_projector.",
     "visual.",
     "model.visual.",
@@ -39,14 +40,9 @@ PRE_TOKENIZER = {spec.arch: spec.pre_tokenizer for spec in BY_MODEL_TYPE.values(
 
 
 # Native families llama.cpp runs (or the gguf package names) but whose GGUF layout slipstream
-# does not write (yet): model_type -> why, said after the type.
-_GEMMA4 = ("is not written by slipstream yet: the gguf package names the GEMMA4 architecture, "
-           "but no spec for it here is checked against llama.cpp (per-layer inputs, K/V "
-           "sharing, per-layer head dims, proportional RoPE); export the merged HF checkpoint "
-           "and convert it with llama.cpp's convert_hf_to_gguf.py.")  # fmt: skip
-NOT_WRITTEN = {
-    **{kind: _GEMMA4 for kind in ("gemma4_text", "gemma4")},
-}
+# does not write (yet): model_type -> why, said after the type. None now: every native
+# family's layout is written.
+NOT_WRITTEN: dict[str, str] = {}
 
 
 def gguf_arch(model_type: str) -> Any:
@@ -158,7 +154,7 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     num_experts = getattr(cfg, "num_experts", None) or _num_experts(cfg)
 
     def rename(hf_name: str) -> str:
-        out = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        out = names.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
         if out is None:
             raise ValueError(
                 f"GGUF export: no llama.cpp name for tensor {hf_name!r} ({spec.arch})."

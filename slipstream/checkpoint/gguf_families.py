@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.checkpoint.gguf_fields import decimal, field
+from slipstream.checkpoint.gguf_gemma4 import GEMMA4
 from slipstream.checkpoint.gguf_qwen35 import QWEN35, QWEN35MOE
 from slipstream.checkpoint.gguf_qwen_vl import QWEN2VL, QWEN3VL
 from slipstream.checkpoint.gguf_spec import (
@@ -459,7 +460,8 @@ GPT_OSS = GGUFSpec(
 )
 
 SPECS = (LLAMA, QWEN2, QWEN3, QWEN3MOE, PHI3, GEMMA3, GPT_OSS)
-# Language models of image-text types: gguf_qwen_vl.py, gguf_qwen35.py, MISTRAL3 above
-EXPORT_ONLY = (QWEN2VL, QWEN3VL, QWEN35, QWEN35MOE, MISTRAL3)
+# Language models of image-text types: gguf_qwen_vl.py, gguf_qwen35.py, gguf_gemma4.py,
+# MISTRAL3 above
+EXPORT_ONLY = (QWEN2VL, QWEN3VL, QWEN35, QWEN35MOE, MISTRAL3, GEMMA4)
 BY_MODEL_TYPE = {t: spec for spec in (*SPECS, *EXPORT_ONLY) for t in spec.model_types}
 BY_ARCH = {spec.name: spec for spec in SPECS}  # a file's general.architecture: what import reads

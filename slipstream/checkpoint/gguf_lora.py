@@ -142,6 +142,11 @@ def _pairs(weights: dict, cfg: Any, arch: Any) -> dict[str, tuple[Any, Any]]:
             raise ValueError(
                 "GGUF LoRA: LoRA on MoE experts has no llama.cpp form; export it merged (--gguf)."
             )
+        if module.endswith(spec.no_lora):
+            raise ValueError(
+                f"GGUF LoRA: llama.cpp's {spec.name} applies no LoRA to {module!r}; export it "
+                "merged (--gguf), or train without that target."
+            )
         gname = names.get_name(module + ".weight", try_suffixes=(".weight",))
         if gname is None:
             raise ValueError(f"GGUF LoRA: no llama.cpp name for adapted module {module!r}.")

@@ -18,7 +18,8 @@ one linear connector; llama.cpp tiles the image at the processor's longest edge 
 transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger) and `qwen3_vl` (its ViT,
 2 x 2 merger and deepstack mergers): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py;
 `mistral3` (Pixtral tower, patch merger, GELU projector and the `[IMG_BREAK]` embedding as
-llama.cpp's `pixtral`: gguf_mmproj_pixtral.py).
+llama.cpp's `pixtral`: gguf_mmproj_pixtral.py);
+`gemma4` (llama.cpp's gemma4v: gguf_mmproj_gemma4.py).
 Every other image-text type is refused in one line naming it. What a spec is and the names
 shared by several towers: gguf_mmproj_spec.py.
 """
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from slipstream.checkpoint.atomic import atomic_write
+from slipstream.checkpoint.gguf_mmproj_gemma4 import GEMMA4V
 from slipstream.checkpoint.gguf_mmproj_pixtral import PIXTRAL
 from slipstream.checkpoint.gguf_mmproj_qwen import QWEN3VL, QWEN25VL
 from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, encoder_name
@@ -289,4 +291,5 @@ SPECS = {
     "qwen2_5_vl": QWEN25VL,
     "qwen3_vl": QWEN3VL,
     "mistral3": PIXTRAL,
+    "gemma4": GEMMA4V,
 }

@@ -111,6 +111,8 @@ class GGUFSpec:
     complete: bool = True  # fill transformers' defaults for the model type after read_config
     transforms: tuple[TensorTransform, ...] = ()
     pre_tokenizer: str = "default"  # llama.cpp's BPE pre-tokenizer name for its tokenizers
+    # modules llama.cpp multiplies without its LoRA hook: a GGUF LoRA on them is refused
+    no_lora: tuple[str, ...] = ()
 
     @property
     def model_type(self) -> str:
@@ -166,8 +168,8 @@ QWEN_VL_TEXT = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 def text_hf(cfg: Any) -> dict:
     """config.json of the language model (a multimodal Gemma 3's, Idefics3's text_config)."""
     hf = cfg.hf
-    if cfg.model_type == "gemma3":
-        return {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+    if cfg.model_type in ("gemma3", "gemma4"):
+        return {**hf.get("text_config", {}), "model_type": cfg.model_type + "_text"}
     if cfg.model_type in IMAGE_TEXT_LM:
         return {"model_type": "llama", **hf.get("text_config", {})}
     if cfg.model_type in QWEN_VL_TEXT:  # the text part, its mRoPE sections kept

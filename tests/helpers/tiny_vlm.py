@@ -116,7 +116,7 @@ def _tokenizer(out: Path, tokens: list[str], placeholder: str, named: dict | Non
 
 def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None = None) -> Path:
     """A saved tiny `kind` checkpoint with processor files (module docstring); `text`:
-    Gemma 3's text config overrides."""
+    Gemma 3's or Gemma 4's text config overrides."""
     import transformers
 
     out = Path(out)
@@ -243,7 +243,7 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None 
 
         text = {**TEXT, **gemma4_text(2), "vocab_size": len(tok),
                 "vocab_size_per_layer_input": len(tok), "use_bidirectional_attention": "vision",
-                "pad_token_id": 0}  # fmt: skip
+                "pad_token_id": 0, **(text or {})}  # fmt: skip
         vision = dict(
             VISION, num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3,
             position_embedding_size=256,
