@@ -279,6 +279,28 @@ def test_qwen3_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_text_gguf_and_its_qwen3_vl_tower_mmproj(kind, tmp_path):
+    """Qwen3.5's image side is Qwen3-VL's tower without deepstack: llama.cpp's qwen3vl_merger
+    (its converter writes both so), beside the qwen35 / qwen35moe text model."""
+    folder = vlm_folder(tmp_path / "q", kind)
+    out = tmp_path / "q.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    arch = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}[kind]
+    text = fields(gguf.GGUFReader(out))
+    assert text["general.architecture"] == arch
+    reader = gguf.GGUFReader(tmp_path / "mmproj-q.f32.gguf")
+    meta = fields(reader)
+    assert meta["clip.projector_type"] == "qwen3vl_merger"
+    assert meta["clip.vision.is_deepstack_layers"] == [False, False]
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    hf = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
+    w = hf["visual.merger.linear_fc2.weight"]
+    assert torch.equal(tensors["mm.2.weight"].reshape(w.shape), w)
+    assert not [n for n in tensors if n.startswith("v.deepstack.")]
+    assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
+
+
 def test_llama_cpp_interleaved_mrope_differs_only_where_the_check_says():
     """llama.cpp's interleaved M-RoPE axes (gguf_qwen_vl.py) against ours (= transformers'):
     the released sections move two slow frequencies (written), the tiny default a fast one
@@ -429,7 +451,10 @@ def test_unsupported_image_text_type_is_one_line_and_writes_nothing(kind, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"no GGUF mmproj for model_type {kind!r}" in err
-    assert "supported: gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, mistral3, gemma4." in err
+    supported = (
+        "gemma3, idefics3, smolvlm, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe, mistral3, gemma4"
+    )
+    assert f"supported: {supported}." in err
     assert ("llama.cpp#25814" in err) == (kind == "llava")  # the reason, not just the type
     assert not (folder / "gguf").exists()  # refused before the output folder is made
 

@@ -14,6 +14,10 @@ Qwen3-VL is the tiny checkpoint with mRoPE sections llama.cpp turns as transform
 mtmd's rows is the merger's output then the two deepstack features (3 x 32), which it hands the
 text model as one input and llama.cpp adds after decoder layers 0 and 1; transformers' are
 compared as the same concatenation.
+
+Qwen3.5 and Qwen3.5-MoE are the tiny checkpoints as built (their interleaved sections [2, 1, 1]
+already turn as llama.cpp's do) on the same 128 x 96 image: the Qwen3-VL tower without
+deepstack, its 12 merged rows of 32, before the qwen35 / qwen35moe text model.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ NEW_TOKENS = 6
 KINDS = {
     "qwen2_5_vl": (qwen2_5_vl_as_llama_cpp, (112, 224), 32, 32),
     "qwen3_vl": (qwen3_vl_as_llama_cpp, (96, 128), 12, 96),
+    # vlm_folder's own (interleaved [2, 1, 1] sections already): 16-px patches, 4 x 3 merged
+    "qwen3_5": (lambda folder: folder, (96, 128), 12, 32),
+    "qwen3_5_moe": (lambda folder: folder, (96, 128), 12, 32),
 }
 
 
@@ -95,6 +102,7 @@ def test_image_embeddings_equal_transformers(exported):
     theirs = hf_features(model, hf_pixels(folder, image))
     assert ours.shape == theirs.shape == (rows, width)
     err = (ours - theirs).abs().max() / theirs.abs().max()
+    print(f"{kind}: image embeddings rel {err:.2e}")
     assert err < 1e-3, f"llama.cpp's image embeddings differ from transformers': rel {err:.2e}"
     other = hf_features(model, hf_pixels(folder, random_image(*size, seed=4)))
     assert (ours - other).abs().max() / theirs.abs().max() > 100 * err  # the check can fail
@@ -112,6 +120,7 @@ def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported
             theirs = model(**inputs).logits[0, -1]
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         err = (first - theirs).abs().max() / theirs.abs().max()
+        print(f"{kind}: logits after the image rel {err:.2e}")
         assert err < 5e-3, f"llama.cpp's logits after the image differ: rel {err:.2e}"
         assert got == out[0, inputs["input_ids"].shape[1] :].tolist()
         firsts.append(first)

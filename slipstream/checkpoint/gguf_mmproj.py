@@ -16,7 +16,8 @@ Supported: `gemma3` (SigLIP tower, average-pooled to `mm_tokens_per_image`, Gemm
 + linear projector), `idefics3` and `smolvlm` (SigLIP tower, pixel shuffle by `scale_factor`,
 one linear connector; llama.cpp tiles the image at the processor's longest edge as
 transformers does), `qwen2_5_vl` (its windowed ViT and 2 x 2 merger) and `qwen3_vl` (its ViT,
-2 x 2 merger and deepstack mergers): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py;
+2 x 2 merger and deepstack mergers; also `qwen3_5` and `qwen3_5_moe`, the same tower without
+deepstack): gguf_mmproj_qwen.py; their text models: gguf_qwen_vl.py, gguf_qwen35.py;
 `mistral3` (Pixtral tower, patch merger, GELU projector and the `[IMG_BREAK]` embedding as
 llama.cpp's `pixtral`: gguf_mmproj_pixtral.py);
 `gemma4` (llama.cpp's gemma4v: gguf_mmproj_gemma4.py).
@@ -290,6 +291,8 @@ SPECS = {
     "smolvlm": IDEFICS3,
     "qwen2_5_vl": QWEN25VL,
     "qwen3_vl": QWEN3VL,
+    "qwen3_5": QWEN3VL,  # the Qwen3-VL tower, no deepstack (llama.cpp's converter: the same)
+    "qwen3_5_moe": QWEN3VL,
     "mistral3": PIXTRAL,
     "gemma4": GEMMA4V,
 }
