@@ -156,6 +156,22 @@ def test_qwen2_5_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
+@pytest.mark.slow  # suite time; test_gemma4_text_gguf_and_mmproj stays in it
+def test_gemma4_with_an_audio_tower_gets_a_vision_only_mmproj(tmp_path, capsys):
+    from helpers.tiny_vlm import with_audio_tower
+
+    folder = with_audio_tower(vlm_folder(tmp_path / "g", "gemma4"))
+    out = tmp_path / "g.f16.gguf"
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16", "--out", str(out)]) == 0
+    assert "the audio tower is not written" in capsys.readouterr().out
+    reader = gguf.GGUFReader(tmp_path / "mmproj-g.f16.gguf")
+    assert fields(reader)["clip.projector_type"] == "gemma4v"
+    assert not [k for k in reader.fields if "audio" in k]
+    assert reader.tensors and all(t.name.startswith(("v.", "mm.")) for t in reader.tensors)
+    assert not [t.name for t in gguf.GGUFReader(out).tensors if "audio" in t.name]
+
+
 def test_gemma4_text_gguf_and_mmproj(tmp_path):
     folder = vlm_folder(tmp_path / "g", "gemma4")
     randomise_constant_tensors(folder)
@@ -209,7 +225,6 @@ def test_gemma4_text_gguf_and_mmproj(tmp_path):
          "RoPE base 10 (llama.cpp: 100)"),
         (lambda c: c["text_config"].update(use_bidirectional_attention=None),
          "llama.cpp decodes its images bidirectionally"),
-        (lambda c: c.update(audio_config={"model_type": "gemma4_audio"}), "audio tower"),
     ],
 )  # fmt: skip
 def test_a_gemma4_vision_side_llama_cpp_would_run_differently_is_one_line(
@@ -279,7 +294,9 @@ def test_qwen3_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "kind", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
+)  # suite time
 def test_qwen3_5_text_gguf_and_its_qwen3_vl_tower_mmproj(kind, tmp_path):
     """Qwen3.5's image side is Qwen3-VL's tower without deepstack: llama.cpp's qwen3vl_merger
     (its converter writes both so), beside the qwen35 / qwen35moe text model."""

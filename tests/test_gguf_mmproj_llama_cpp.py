@@ -301,3 +301,32 @@ def test_gemma4_clamps_and_standardisation_equal_transformers(tmp_path):
     unclipped = auto.from_pretrained(str(folder), config=config).float().eval()
     moved = hf_features(unclipped, hf_pixels(folder, image))
     assert (moved - theirs).abs().max() / theirs.abs().max() > 100 * err  # the bounds bite
+
+
+def test_gemma4_with_an_audio_tower_runs_its_vision_only_mmproj(tmp_path):
+    """An E2B/E4B-style Gemma 4 (an audio tower beside the vision one): the mmproj is the vision
+    side alone, which llama.cpp loads; its image embeddings, the logits after the image and
+    greedy tokens equal transformers' (which runs the same model, audio tower unused)."""
+    from helpers.tiny_vlm import with_audio_tower
+
+    folder = with_audio_tower(vlm_folder(tmp_path / "g", "gemma4", text=TEXT["gemma4"]))
+    randomise_constant_tensors(folder)
+    text = tmp_path / "g.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(text)]) == 0
+    llm, ctx = load(text, mmproj_path(text, "f32"))
+    model = hf_model(folder)
+    image = random_image(*KINDS["gemma4"], seed=3)
+    ours = image_embeddings(ctx, image, PROMPT, WIDTH)
+    theirs = hf_features(model, hf_pixels(folder, image))
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    print(f"gemma4 + audio tower: image embeddings rel {err:.2e}")
+    assert ours.shape == (ROWS["gemma4"], WIDTH) and err < 1e-3
+    prompt, first, got = generate(llm, ctx, image, PROMPT, NEW_TOKENS)
+    close(llm, ctx)
+    inputs = hf_inputs("gemma4", model, folder, prompt, image)
+    with torch.no_grad():
+        want = model(**inputs).logits[0, -1]
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    err = (first - want).abs().max() / want.abs().max()
+    print(f"gemma4 + audio tower: logits after the image rel {err:.2e}")
+    assert err < 5e-3 and got == out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -455,6 +455,8 @@ def export_run_gguf(
             size = mmproj.stat().st_size / 2**20
             say(f"{mmproj_type(t)} mmproj written to {mmproj} ({size:.1f} MiB); llama.cpp: "
                 f"llama-mtmd-cli -m {path} --mmproj {mmproj}")  # fmt: skip
+            if (hf or {}).get("audio_config"):
+                say("the mmproj holds the vision side only: the audio tower is not written")
     return path
 
 

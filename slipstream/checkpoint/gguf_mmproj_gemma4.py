@@ -13,10 +13,11 @@ What llama.cpp's gemma4v graph (tools/mtmd/models/gemma4v.cpp, clip.cpp; llama-c
   optional standardisation (`v.std_bias`, `v.std_scale`), a weightless RMSNorm and the
   embedder's projection (`mm.input_projection`, (text, vision) as transformers holds it).
 Refused in one line: what that graph fixes otherwise (RoPE base, activation, KV heads, head
-dim), an audio tower (llama.cpp reads it from the same file; not written here), and a text
-model whose image attention llama.cpp decides otherwise (mtmd decodes a Gemma 4 image
-bidirectionally on sliding layers unless the text width is 1536 or 2560, E2B/E4B; transformers
-does so where `use_bidirectional_attention` is "vision").
+dim) and a text model whose image attention llama.cpp decides otherwise (mtmd decodes a Gemma 4
+image bidirectionally on sliding layers unless the text width is 1536 or 2560, E2B/E4B;
+transformers does so where `use_bidirectional_attention` is "vision"). An audio tower
+(E2B/E4B) is not written: the file is the vision side only, which llama.cpp loads as such
+(its audio encoder is optional in the same file).
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ def _check(hf: dict) -> str | None:
         return "llama.cpp's gemma4v graph fixes what this tower sets otherwise: " + "; ".join(
             differ
         )
-    if hf.get("audio_config"):
-        return "it has an audio tower (llama.cpp reads it from the mmproj; not written here)"
     vision_attention = text.get("use_bidirectional_attention") == "vision"
     if vision_attention != (int(text["hidden_size"]) not in CAUSAL_WIDTHS):
         how = "bidirectionally" if not vision_attention else "causally"
@@ -90,7 +89,7 @@ def _metadata(w: Any, hf: dict, processor: dict) -> None:
 
 def _rename(name: str, t: torch.Tensor, hf: dict) -> Any:
     """llama.cpp's converter's renaming (Gemma4VisionAudioModel.modify_tensors), then the gguf
-    package's mmproj table; the audio side is skipped (refused by `_check` when present)."""
+    package's mmproj table; an audio tower (E2B/E4B) is not written: the file is vision only."""
     import gguf
 
     if not name.startswith(("vision_tower.", "embed_vision.")):

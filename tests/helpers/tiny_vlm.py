@@ -453,3 +453,22 @@ def randomise_constant_tensors(folder: Path, seed: int = 0, scale: float = 0.2) 
         if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
             state[name] = t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype)
     save_file(state, path, metadata={"format": "pt"})
+
+
+TINY_AUDIO = dict(model_type="gemma4_audio", hidden_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, subsampling_conv_channels=[4, 4],
+                  output_proj_dims=16)  # fmt: skip
+
+
+def with_audio_tower(folder: Path, seed: int = 0) -> Path:
+    """The tiny Gemma 4 of `vlm_folder` rebuilt with a tiny audio tower (as E2B/E4B have one),
+    random weights."""
+    import transformers
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["audio_config"] = TINY_AUDIO
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForImageTextToText.from_config(config).float().save_pretrained(folder)
+    return folder
