@@ -156,7 +156,6 @@ def test_qwen2_5_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
-@pytest.mark.slow  # suite time; test_gemma4_text_gguf_and_mmproj stays in it
 def test_gemma4_with_an_audio_tower_gets_a_vision_only_mmproj(tmp_path, capsys):
     from helpers.tiny_vlm import with_audio_tower
 
@@ -294,9 +293,7 @@ def test_qwen3_vl_text_gguf_and_mmproj(tmp_path):
     assert not [n for n in tensors if not n.startswith(("v.", "mm."))]
 
 
-@pytest.mark.parametrize(
-    "kind", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
-)  # suite time
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_text_gguf_and_its_qwen3_vl_tower_mmproj(kind, tmp_path):
     """Qwen3.5's image side is Qwen3-VL's tower without deepstack: llama.cpp's qwen3vl_merger
     (its converter writes both so), beside the qwen35 / qwen35moe text model."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec
+from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, mmproj_names
 
 CAUSAL_WIDTHS = (1536, 2560)  # text widths (E2B, E4B) mtmd decodes images causally for
 ROPE_THETA = 100.0  # llama.cpp's gemma4v RoPE base (hparams.rope_theta, not read from the file)
@@ -90,7 +90,6 @@ def _metadata(w: Any, hf: dict, processor: dict) -> None:
 def _rename(name: str, t: torch.Tensor, hf: dict) -> Any:
     """llama.cpp's converter's renaming (Gemma4VisionAudioModel.modify_tensors), then the gguf
     package's mmproj table; an audio tower (E2B/E4B) is not written: the file is vision only."""
-    import gguf
 
     if not name.startswith(("vision_tower.", "embed_vision.")):
         return None
@@ -102,8 +101,7 @@ def _rename(name: str, t: torch.Tensor, hf: dict) -> Any:
         D, n = t.shape
         p = round((n // 3) ** 0.5)
         t = t.reshape(D, p, p, 3).permute(0, 3, 1, 2).contiguous()
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 256)
-    out = names.get_name(name, try_suffixes=(".weight", ".bias", *CLAMPS))
+    out = mmproj_names().get_name(name, try_suffixes=(".weight", ".bias", *CLAMPS))
     if out is None:
         raise ValueError(f"GGUF mmproj: no llama.cpp name for Gemma 4 tensor {name!r}.")
     return out, t.reshape(1) if t.ndim == 0 else t.contiguous()  # clamp bounds: 1 element
