@@ -160,19 +160,28 @@ LORA_TARGETS = {"llama": "all-linear", "gemma4_text": [
 
 @pytest.mark.parametrize("kind", list(LORA_TARGETS))
 def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer, kind):
-    from slipstream.checkpoint.adapter import save_adapter
-    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
     from slipstream.checkpoint.hf import load_model
-    from slipstream.peft.lora import apply_lora, merge_lora
-    from tests.helpers.models import randomise_lora_b
 
     hf = tiny(kind)
     hf.save_pretrained(tmp_path / "base")
-    model = load_model(tmp_path / "base")
+    assert_gguf_lora_moves_as_merging(
+        load_model(tmp_path / "base"), tmp_path / "base", tmp_path, tokenizer, LORA_TARGETS[kind]
+    )
+
+
+def assert_gguf_lora_moves_as_merging(model, base, tmp_path, tokenizer, targets):
+    """A random LoRA (rank 8 on `targets`) of our `model` of the checkpoint `base`, as a GGUF
+    LoRA on its f32 GGUF: llama.cpp's logits move as merging moves ours (within 5% of the
+    move). Returns the saved adapter's folder."""
+    from slipstream.checkpoint.adapter import save_adapter
+    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
+    from slipstream.peft.lora import apply_lora, merge_lora
+    from tests.helpers.models import randomise_lora_b
+
     export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
-    apply_lora(model, rank=8, alpha=16, targets=LORA_TARGETS[kind])
+    apply_lora(model, rank=8, alpha=16, targets=targets)
     randomise_lora_b(model)
-    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / "base"))
+    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(base))
     lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")
     merge_lora(model)
     ids = tokenizer(PROMPT)["input_ids"]
@@ -183,3 +192,4 @@ def test_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, tokenizer, kin
     moved = (merged - plain).abs().max()
     assert moved > 0.05  # the adapter does change the logits
     assert (adapted - merged).abs().max() < 0.05 * moved
+    return tmp_path / "run"

@@ -20,7 +20,14 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers.llama_cpp_mtmd import close, generate, image_embeddings, load
+from helpers.llama_cpp_mtmd import (
+    assert_generation_equals_transformers,
+    assert_images_matter,
+    close,
+    generate,
+    image_embeddings,
+    load,
+)
 from helpers.tiny_vlm import random_image, randomise_constant_tensors, vlm_folder
 
 from slipstream.checkpoint.gguf_export import mmproj_path
@@ -116,16 +123,9 @@ def test_logits_and_greedy_generation_with_the_image_equal_transformers(exported
         image = random_image(*KINDS[kind], seed=seed)
         prompt, first, got = generate(llm, ctx, image, PROMPT, NEW_TOKENS)
         inputs = hf_inputs(kind, model, folder, prompt, image)
-        with torch.no_grad():
-            theirs = model(**inputs).logits[0, -1]
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        err = (first - theirs).abs().max() / theirs.abs().max()
-        print(f"{kind}: logits after the image rel {err:.2e}")
-        assert err < 5e-3, f"llama.cpp's logits after the image differ: rel {err:.2e}"
-        assert got == out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert_generation_equals_transformers(model, inputs, first, got, NEW_TOKENS, kind)
         firsts.append(first)
-    # the image matters: another image gives other logits after the same text
-    assert (firsts[0] - firsts[1]).abs().max() / firsts[0].abs().max() > 1e-2
+    assert_images_matter(firsts)
 
 
 # --- Mistral 3: llama.cpp's pixtral. A 42 x 56 image (6 x 8 patches of 7, merged 2 x 2 to 3 rows
@@ -244,15 +244,9 @@ def test_mistral3_logits_and_greedy_generation_with_the_image_equal_transformers
         ids = torch.tensor([_mistral3_ids(model, folder, prompt)])
         inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                       **_mistral3_pixels(folder, image))  # fmt: skip
-        with torch.no_grad():
-            theirs = model(**inputs).logits[0, -1]
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        err = (first - theirs).abs().max() / theirs.abs().max()
-        assert err < 5e-3, f"llama.cpp's logits after the image differ: rel {err:.2e}"
-        assert got == out[0, ids.shape[1] :].tolist()
+        assert_generation_equals_transformers(model, inputs, first, got, NEW_TOKENS, "mistral3")
         firsts.append(first)
-    # the image matters: another image gives other logits after the same text
-    assert (firsts[0] - firsts[1]).abs().max() / firsts[0].abs().max() > 1e-2
+    assert_images_matter(firsts)
 
 
 def clip_and_standardize(folder) -> None:
@@ -324,9 +318,6 @@ def test_gemma4_with_an_audio_tower_runs_its_vision_only_mmproj(tmp_path):
     prompt, first, got = generate(llm, ctx, image, PROMPT, NEW_TOKENS)
     close(llm, ctx)
     inputs = hf_inputs("gemma4", model, folder, prompt, image)
-    with torch.no_grad():
-        want = model(**inputs).logits[0, -1]
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    err = (first - want).abs().max() / want.abs().max()
-    print(f"gemma4 + audio tower: logits after the image rel {err:.2e}")
-    assert err < 5e-3 and got == out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert_generation_equals_transformers(
+        model, inputs, first, got, NEW_TOKENS, "gemma4 + audio tower"
+    )

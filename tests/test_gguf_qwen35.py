@@ -295,30 +295,14 @@ def test_qwen35_gguf_lora_in_llama_cpp_moves_logits_as_merging(tmp_path, quiet, 
     weight's, in_proj_qkv/z/a/b's B rows) as a GGUF LoRA on our base GGUF: llama.cpp's logits
     move as merging moves ours (within 5% of the move)."""
     pytest.importorskip("llama_cpp")
-    from test_gguf_llama_cpp import llama_cpp_logits
+    from safetensors import safe_open
+    from test_gguf_llama_cpp import assert_gguf_lora_moves_as_merging
 
-    from slipstream.checkpoint.adapter import save_adapter
-    from slipstream.checkpoint.gguf_lora import export_adapter_gguf
-    from slipstream.peft.lora import apply_lora, merge_lora
-    from tests.helpers.models import randomise_lora_b
-
-    model = _ours(tmp_path, kind)
-    export_gguf(model, tmp_path / "base.gguf", "f32", tokenizer=tokenizer)
-    apply_lora(model, rank=8, alpha=16, targets="all-linear")
-    adapted = {n.rsplit(".", 2)[0] for n, _ in model.named_parameters() if "lora_A" in n}
-    assert any(n.endswith("linear_attn.out_proj") for n in adapted)
-    randomise_lora_b(model)
-    save_adapter(model, tmp_path / "run", base_model_name_or_path=str(tmp_path / kind))
-    lora = export_adapter_gguf(tmp_path / "run", tmp_path / "lora.gguf")
-    merge_lora(model)
-    ids = tokenizer(PROMPT)["input_ids"]
-    with torch.no_grad():
-        merged = model(torch.tensor(ids), SeqInfo.from_lengths([len(ids)]))
-    _, plain = llama_cpp_logits(tmp_path / "base.gguf", ids)
-    _, got = llama_cpp_logits(tmp_path / "base.gguf", ids, lora=lora)
-    moved = (merged - plain).abs().max()
-    assert moved > 0.05  # the adapter does change the logits
-    assert (got - merged).abs().max() < 0.05 * moved
+    run = assert_gguf_lora_moves_as_merging(
+        _ours(tmp_path, kind), tmp_path / kind, tmp_path, tokenizer, "all-linear"
+    )
+    with safe_open(str(run / "adapter_model.safetensors"), framework="pt") as f:
+        assert any("linear_attn.out_proj.lora_A" in key for key in f.keys())  # noqa: SIM118
 
 
 def test_llama_cpp_runs_a_quantised_qwen35(tmp_path, quiet, tokenizer):  # noqa: F811

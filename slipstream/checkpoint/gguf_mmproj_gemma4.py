@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, mmproj_names
+from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, graph_refusal, mmproj_names
 
 CAUSAL_WIDTHS = (1536, 2560)  # text widths (E2B, E4B) mtmd decodes images causally for
 ROPE_THETA = 100.0  # llama.cpp's gemma4v RoPE base (hparams.rope_theta, not read from the file)
@@ -53,9 +53,7 @@ def _check(hf: dict) -> str | None:
     if int(v.get("head_dim", width // heads)) * heads != width:
         differ.append(f"head_dim {v['head_dim']} (llama.cpp: hidden_size / heads)")
     if differ:
-        return "llama.cpp's gemma4v graph fixes what this tower sets otherwise: " + "; ".join(
-            differ
-        )
+        return graph_refusal("gemma4v", "tower", differ)
     vision_attention = text.get("use_bidirectional_attention") == "vision"
     if vision_attention != (int(text["hidden_size"]) not in CAUSAL_WIDTHS):
         how = "bidirectionally" if not vision_attention else "causally"

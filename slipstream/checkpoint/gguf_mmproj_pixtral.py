@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, mapped_name
+from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, graph_refusal, mapped_name
 from slipstream.checkpoint.gguf_spec import permute_rotary
 
 PIXTRAL_EPS = 1e-5  # transformers' PixtralRMSNorm in the tower, and llama.cpp's one eps
@@ -63,11 +63,7 @@ def _pixtral_check(hf: dict) -> str | None:
     eps = float(text.get("rms_norm_eps", PIXTRAL_EPS))
     if eps != PIXTRAL_EPS:
         differ.append(f"the projector norm's eps {eps:g} (text rms_norm_eps; llama.cpp: 1e-05)")
-    if differ:
-        return "llama.cpp's pixtral graph fixes what this model sets otherwise: " + "; ".join(
-            differ
-        )
-    return None
+    return graph_refusal("pixtral", "model", differ)
 
 
 def _pixtral_metadata(w: Any, hf: dict, processor: dict) -> None:

@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from slipstream.checkpoint.gguf_mmproj_spec import MmprojSpec, mapped_name
+from slipstream.checkpoint.gguf_mmproj_spec import (
+    MmprojSpec,
+    fixed_differences,
+    graph_refusal,
+    mapped_name,
+)
 
 # --- Qwen2.5-VL: its windowed ViT (RMSNorm, SwiGLU, 2-D RoPE), the 2 x 2 patch merger ---
 # What llama.cpp's qwen2.5vl graph fixes (clip.cpp, llama-cpp-python 0.3.36): a merge of 2, an
@@ -24,8 +29,7 @@ def _qwen25vl_vision(hf: dict) -> dict:
 
 def _qwen25vl_check(hf: dict) -> str | None:
     v = hf.get("vision_config") or {}
-    differ = [f"{k} {v[k]} (llama.cpp: {want})" for k, want in QWEN25VL_FIXED.items()
-              if v.get(k, want) != want]  # fmt: skip
+    differ = fixed_differences(v, QWEN25VL_FIXED)
     theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     if theta != 10000.0:
         differ.append(f"the tower's RoPE base {theta:g} (llama.cpp: 10000)")
@@ -35,11 +39,7 @@ def _qwen25vl_check(hf: dict) -> str | None:
     pattern = full[0] + 1 if full else 0
     if not full or full != list(range(pattern - 1, int(v.get("depth", 0)), pattern)):
         differ.append(f"fullatt_block_indexes {full} (llama.cpp: every n-th block to the last)")
-    if differ:
-        return "llama.cpp's qwen2.5vl graph fixes what this tower sets otherwise: " + "; ".join(
-            differ
-        )
-    return None
+    return graph_refusal("qwen2.5vl", "tower", differ)
 
 
 def _qwen25vl_metadata(w: Any, hf: dict, processor: dict) -> None:
@@ -90,8 +90,7 @@ def _qwen3vl_vision(hf: dict) -> dict:
 
 def _qwen3vl_check(hf: dict) -> str | None:
     v = hf.get("vision_config") or {}
-    differ = [f"{k} {v[k]} (llama.cpp: {want})" for k, want in QWEN3VL_FIXED.items()
-              if v.get(k, want) != want]  # fmt: skip
+    differ = fixed_differences(v, QWEN3VL_FIXED)
     n = int(v.get("num_position_embeddings", 2304))
     if math.isqrt(n) ** 2 != n:
         differ.append(f"num_position_embeddings {n} (llama.cpp: a square grid)")
@@ -100,11 +99,7 @@ def _qwen3vl_check(hf: dict) -> str | None:
     if deepstack != sorted(set(deepstack)) or any(not 0 <= i < depth for i in deepstack):
         differ.append(f"deepstack_visual_indexes {deepstack} (llama.cpp: distinct blocks in "
                       "order)")  # fmt: skip
-    if differ:
-        return "llama.cpp's qwen3vl graph fixes what this tower sets otherwise: " + "; ".join(
-            differ
-        )
-    return None
+    return graph_refusal("qwen3vl", "tower", differ)
 
 
 def _qwen3vl_metadata(w: Any, hf: dict, processor: dict) -> None:

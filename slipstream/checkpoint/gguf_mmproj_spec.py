@@ -68,6 +68,21 @@ def encoder_name(name: str) -> str | None:
     return fixed.get(name)
 
 
+def fixed_differences(v: dict, fixed: dict) -> list[str]:
+    """What `v` (a vision_config) sets otherwise than the values llama.cpp's graph fixes."""
+    return [
+        f"{k} {v[k]} (llama.cpp: {want})" for k, want in fixed.items() if v.get(k, want) != want
+    ]
+
+
+def graph_refusal(graph: str, what: str, differ: list[str]) -> str | None:
+    """The one line for a config llama.cpp's `graph` would run differently (None: nothing
+    differs); `what`: the part of the model the differences belong to."""
+    if not differ:
+        return None
+    return f"llama.cpp's {graph} graph fixes what this {what} sets otherwise: " + "; ".join(differ)
+
+
 @functools.cache
 def mmproj_names() -> Any:
     """The gguf package's mmproj name table, built once (0.6 s a build: it expands every

@@ -145,3 +145,20 @@ def generate(llm, ctx, image, prompt: str, n: int) -> tuple[list, torch.Tensor, 
         decode_at(llm, [tokens[-1]], n_past)
         n_past += 1
     return shown, first, tokens
+
+
+def assert_generation_equals_transformers(model, inputs: dict, first, got, n: int, what: str):
+    """transformers on `inputs` (the prompt llama.cpp ran, image included): its logits after the
+    prompt within 5e-3 relative of llama.cpp's `first`, its `n` greedy tokens llama.cpp's `got`."""
+    with torch.no_grad():
+        theirs = model(**inputs).logits[0, -1]
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    err = (first - theirs).abs().max() / theirs.abs().max()
+    print(f"{what}: logits after the image rel {err:.2e}")
+    assert err < 5e-3, f"llama.cpp's logits after the image differ: rel {err:.2e}"
+    assert got == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def assert_images_matter(firsts: list) -> None:
+    """Two images give other logits after the same text (the check above can fail)."""
+    assert (firsts[0] - firsts[1]).abs().max() / firsts[0].abs().max() > 1e-2
