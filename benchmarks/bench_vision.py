@@ -87,8 +87,8 @@ def padded_inputs(examples: list[ImageExample], side: ImageProcessing, pad: int)
     return dict(
         input_ids=ids, attention_mask=mask, labels=labels,
         mm_token_type_ids=(ids == side.image_token_id).int(),
-        pixel_values=torch.cat([ex.images["pixel_values"] for ex in examples]),
-        image_grid_thw=torch.cat([ex.images["image_grid_thw"] for ex in examples]),
+        pixel_values=torch.cat([ex.model_inputs()["pixel_values"] for ex in examples]),
+        image_grid_thw=torch.cat([ex.model_inputs()["image_grid_thw"] for ex in examples]),
     )  # fmt: skip
 
 
@@ -96,10 +96,10 @@ def trl_vs_ours(args) -> dict:
     """One epoch over the same rows: TRL's SFTTrainer (its vision collator: the processor on
     each step's rows, right-padded; batches of a fixed number of rows, the packed run's mean;
     its loss on every token, this template having no generation markers: the same compute)
-    against slipstream's packed micro-batches (rows tokenized and their images processed
-    once beforehand, timed apart), both LoRA r4 on the language model with AdamW; a tiny
-    Idefics3 (images of mixed sizes: 2-5 crops each, so pixels pad too). `trl_s` is the
-    trainer's `train_runtime`."""
+    against slipstream's packed micro-batches (rows tokenized beforehand, timed apart; the
+    images processed again per batch in `collate`, data/vision.py), both LoRA r4 on the
+    language model with AdamW; a tiny Idefics3 (images of mixed sizes: 2-5 crops each, so
+    pixels pad too). `trl_s` is the trainer's `train_runtime`."""
     import math
 
     import datasets

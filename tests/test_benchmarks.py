@@ -36,6 +36,7 @@ import bench_qwen3_5  # noqa: E402
 import bench_qwen_vit  # noqa: E402
 import bench_syncs  # noqa: E402
 import bench_vision  # noqa: E402
+import bench_vision_pixels  # noqa: E402
 import common  # noqa: E402
 import gpu_suite  # noqa: E402
 import gpu_vision_row  # noqa: E402
@@ -253,6 +254,15 @@ def test_vision_trl_quick(capsys):
     assert row["trl_num_tokens"] == row["tokens"] > 0  # TRL's processor: the same ids
     assert row["trl_padded_positions_est"] >= row["tokens"] and row["images"] > row["rows"] // 2
     assert row["slipstream_s"] > 0 and row["trl_s"] > 0 and row["trl_steps"] > 0
+
+
+def test_vision_pixels_quick(capsys):
+    """448x448 rows at Qwen2.5-VL's own resolution: 256 image tokens, 1,024 patches of 1,176
+    float32 an image in the collated batch (~5 s)."""
+    row = bench_vision_pixels.main(["--images", "4", "--batch", "2", "--reps", "1"])
+    assert row["image_tokens"] == [256] and row["collate_ms"] > 0
+    assert row["batch_pixels_mib"] == round(2 * 1024 * 1176 * 4 / 2**20, 1)
+    assert row["code"] == str(BENCH.parent)  # this tree's slipstream, not another checkout
 
 
 @pytest.mark.slow  # ~20 s

@@ -206,7 +206,11 @@ def _hf_inputs(ex, side):
     ids = torch.tensor([ex.input_ids])
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
-    return {"input_ids": ids, "mm_token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+    return {
+        "input_ids": ids,
+        "mm_token_type_ids": (ids == side.image_token_id).int(),
+        **ex.model_inputs(),
+    }
 
 
 def _generic(folder):

@@ -49,13 +49,16 @@ def test_ids_and_pixels_equal_the_processor_and_only_the_reply_is_trained(llava,
     data.write_text(json.dumps(row) + "\n")
     with images_relative_to(data):  # paths relative to the data file
         (ex,), report = _tokenize([row], tok, side)
-        messages, images = vision_messages(row)
+        messages, sources = vision_messages(row)
+        images = [s.read()[0] for s in sources]
     assert isinstance(ex, ImageExample) and report.kept == 1
     processor = transformers.AutoProcessor.from_pretrained(folder)
     text = tok.apply_chat_template(messages, tokenize=False)
     ref = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
     assert ex.input_ids == ref["input_ids"][0].tolist()
-    torch.testing.assert_close(ex.images["pixel_values"], ref["pixel_values"], atol=0, rtol=0)
+    torch.testing.assert_close(
+        ex.model_inputs()["pixel_values"], ref["pixel_values"], atol=0, rtol=0
+    )
     assert ex.sizes == [(28, 28), (28, 28)] and ex.image_tokens == [16, 16]
     trained = [i for i, t in zip(ex.input_ids, ex.trainable) if t]
     assert tok.decode(trained) == "Two squares.<|im_end|>"
@@ -79,12 +82,15 @@ def test_images_in_later_turns_and_in_a_reply_are_never_targets(llava):
     }  # fmt: skip
     (ex,), report = _tokenize([row], tok, side)
     assert report.kept == 1 and ex.image_tokens == [16, 16]
-    messages, images = vision_messages(row)
+    messages, sources = vision_messages(row)
+    images = [s.read()[0] for s in sources]
     processor = transformers.AutoProcessor.from_pretrained(folder)
     text = tok.apply_chat_template(messages, tokenize=False)
     ref = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
     assert ex.input_ids == ref["input_ids"][0].tolist()
-    torch.testing.assert_close(ex.images["pixel_values"], ref["pixel_values"], atol=0, rtol=0)
+    torch.testing.assert_close(
+        ex.model_inputs()["pixel_values"], ref["pixel_values"], atol=0, rtol=0
+    )
     rows = ex.feature_rows()
     assert len(rows) == 32 and not any(ex.trainable[t] for t in rows)
     trained = [i for i, t in zip(ex.input_ids, ex.trainable) if t]
@@ -106,9 +112,9 @@ def test_image_values_in_every_supported_form(llava, tmp_path):
     rows = [_row([png]), _row([{"bytes": png, "path": None}]), _row([image]), inline, openai]
     examples, report = _tokenize(rows, tok, side)
     assert report.kept == 5 and not report.skipped
-    first = examples[0].images["pixel_values"]
+    first = examples[0].model_inputs()["pixel_values"]
     for ex in examples[1:]:
-        torch.testing.assert_close(ex.images["pixel_values"], first, atol=0, rtol=0)
+        torch.testing.assert_close(ex.model_inputs()["pixel_values"], first, atol=0, rtol=0)
     # A datasets.Image column (decoded to PIL when read) too.
     ds = datasets.Dataset.from_dict(
         {"messages": [rows[0]["messages"]], "images": [[{"bytes": png, "path": None}]]},
@@ -120,7 +126,7 @@ def test_image_values_in_every_supported_form(llava, tmp_path):
         ),
     )
     (ex,), _ = _tokenize(ds, tok, side)
-    torch.testing.assert_close(ex.images["pixel_values"], first, atol=0, rtol=0)
+    torch.testing.assert_close(ex.model_inputs()["pixel_values"], first, atol=0, rtol=0)
 
 
 def test_bad_image_rows_are_counted_by_reason_or_fatal_under_strict(llava, tmp_path):
@@ -240,7 +246,7 @@ def test_qwen_vl_placeholders_follow_the_grid_where_its_processor_cannot_be_buil
         grids += out["image_grid_thw"].tolist()
     assert ex.image_tokens == expected and expected[0] != expected[1]
     assert len(ex.feature_rows()) == sum(expected)
-    assert ex.images["image_grid_thw"].tolist() == grids
+    assert ex.model_inputs()["image_grid_thw"].tolist() == grids
     assert ex.sizes == [(h * 14, w * 14) for _, h, w in grids]
 
 

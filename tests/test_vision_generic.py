@@ -56,7 +56,7 @@ def _hf(folder):
 def _hf_forward(hf, ex):
     ids = torch.tensor([ex.input_ids])
     labels = torch.tensor([[i if t else -100 for i, t in zip(ex.input_ids, ex.trainable)]])
-    out = hf(input_ids=ids, pixel_values=ex.images["pixel_values"], labels=labels)
+    out = hf(input_ids=ids, pixel_values=ex.model_inputs()["pixel_values"], labels=labels)
     return out, int((labels[0, 1:] != -100).sum())
 
 
@@ -104,7 +104,7 @@ def test_packed_equals_separate_with_images_of_different_sizes(llava):
         hf = _hf(folder)
         ex = examples[1]  # two images
         expected = hf(
-            input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.images["pixel_values"]
+            input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.model_inputs()["pixel_values"]
         )
         torch.testing.assert_close(alone[1], expected.logits[0], rtol=1e-4, atol=1e-5)
         # The images matter: without them the logits differ.
@@ -163,9 +163,9 @@ def test_adapter_loads_in_peft_with_equal_logits_on_images(llava, tmp_path):
         got = ours.eval()(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
                           images=image_inputs(collate([ex]).fields))  # fmt: skip
         expected = peft_model(input_ids=torch.tensor([ex.input_ids]),
-                              pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+                              pixel_values=ex.model_inputs()["pixel_values"]).logits[0]  # fmt: skip
         base = hf(input_ids=torch.tensor([ex.input_ids]),
-                  pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+                  pixel_values=ex.model_inputs()["pixel_values"]).logits[0]  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert (base - expected).abs().max() > 1e-3  # the adapter changed the output
 
@@ -192,7 +192,7 @@ def test_vision_lora_adapter_wraps_the_tower_and_loads_in_peft(llava, tmp_path):
         got = ours.eval()(torch.tensor(ex.input_ids), SeqInfo.from_lengths([len(ex)]),
                           images=image_inputs(collate([ex]).fields))  # fmt: skip
         expected = peft_model(input_ids=torch.tensor([ex.input_ids]),
-                              pixel_values=ex.images["pixel_values"]).logits[0]  # fmt: skip
+                              pixel_values=ex.model_inputs()["pixel_values"]).logits[0]  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     again = slipstream.load_adapter(slipstream.load_model(folder), tmp_path).eval()
     assert [n for n in slipstream.peft.lora.lora_modules(again) if "vision_tower" in n]
@@ -276,5 +276,7 @@ def test_merged_export_is_a_complete_image_text_checkpoint(llava, tmp_path):
     assert processor.image_token == "<image>"
     back = _hf(tmp_path / "merged")
     with torch.no_grad():
-        got = back(input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.images["pixel_values"])
+        got = back(
+            input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.model_inputs()["pixel_values"]
+        )
     torch.testing.assert_close(got.logits[0], expected, rtol=1e-4, atol=1e-5)

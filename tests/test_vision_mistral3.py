@@ -59,7 +59,7 @@ def test_placeholders_match_the_features_transformers_tower_gives(mistral3):
     assert tokens[:-1] == expected[:-1] and tokens[cols] != side.image_token_id
     # Several images of one example are padded as the image processor batches them.
     two = side.image_processor(images=rows[1]["images"], return_tensors="pt")
-    torch.testing.assert_close(examples[1].images["pixel_values"], two["pixel_values"])
+    torch.testing.assert_close(examples[1].model_inputs()["pixel_values"], two["pixel_values"])
 
 
 def _hf(folder):
@@ -78,7 +78,9 @@ def test_loss_and_lora_grads_equal_transformers_and_packed_equals_separate(mistr
     loss.backward()
     peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
     ref = peft_summed_loss(
-        peft_model, examples, lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.images}
+        peft_model,
+        examples,
+        lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.model_inputs()},
     )
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert_lora_grads_match(ours, peft_model)
@@ -134,7 +136,9 @@ def test_tower_lora_loss_and_grads_equal_transformers_and_peft(mistral3, tmp_pat
     loss.backward()
     peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path, is_trainable=True).eval()
     ref = peft_summed_loss(
-        peft_model, examples, lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.images}
+        peft_model,
+        examples,
+        lambda ex: {"input_ids": torch.tensor([ex.input_ids]), **ex.model_inputs()},
     )
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
     assert_lora_grads_match(ours, peft_model)
@@ -156,7 +160,7 @@ def test_greedy_generation_with_images_equals_transformers_generate(mistral3):
     hf = _hf(folder)
     for c, messages in zip(got, prompts, strict=True):
         ex = side.encode_prompt(messages, tok)  # our ids: PixtralProcessor needs torchvision
-        out = hf.generate(input_ids=torch.tensor([ex.input_ids]), **ex.images, max_new_tokens=6,
-                          do_sample=False)  # fmt: skip
+        out = hf.generate(input_ids=torch.tensor([ex.input_ids]), **ex.model_inputs(),
+                          max_new_tokens=6, do_sample=False)  # fmt: skip
         expected = out[0, len(ex.input_ids) :].tolist()
         assert c.token_ids == expected[: len(c.token_ids)] and c.token_ids

@@ -88,10 +88,11 @@ def _hf_inputs(kind, ex, side):
         return {"input_ids": ids}
     types = (ids == side.image_token_id).int()
     if kind in ("qwen3_vl", *QWEN35, "gemma4"):  # Gemma 4's mask reads them too
-        return {"input_ids": ids, "mm_token_type_ids": types, **ex.images}
+        return {"input_ids": ids, "mm_token_type_ids": types, **ex.model_inputs()}
     if kind == "gemma3":  # token_type_ids: transformers' bidirectional mask over each image
-        return {"input_ids": ids, "token_type_ids": types, **ex.images}
-    return {"input_ids": ids, **{k: v[None] for k, v in ex.images.items()}}  # (1, crops, ...)
+        return {"input_ids": ids, "token_type_ids": types, **ex.model_inputs()}
+    crops = {k: v[None] for k, v in ex.model_inputs().items()}  # (1, crops, ...)
+    return {"input_ids": ids, **crops}
 
 
 def test_image_tokens_and_inputs(vlm):
@@ -112,7 +113,7 @@ def test_image_tokens_and_inputs(vlm):
         ref = processor(text=[text], images=[row["images"]], return_tensors="pt")
         assert image_rows[2].input_ids == ref["input_ids"][0].tolist()
         crops = ref["pixel_attention_mask"][0].flatten(1).any(1)  # the real crops
-        ours = image_rows[2].images["pixel_values"]
+        ours = image_rows[2].model_inputs()["pixel_values"]
         torch.testing.assert_close(ours, ref["pixel_values"][0][crops][:, :, : ours.shape[-2]])
     elif kind == "gemma4":  # each image its own patch grid: counts differ; Gemma4Processor's
         # rule (its class needs torchvision here) gives our ids; padding patches at (-1, -1)
@@ -131,7 +132,7 @@ def test_image_tokens_and_inputs(vlm):
         got = image_rows[2].input_ids
         start = got.index(expected[0])
         assert got[start : start + len(expected)] == expected
-        pos = image_rows[2].images["image_position_ids"]
+        pos = image_rows[2].model_inputs()["image_position_ids"]
         real = (pos != -1).all(-1).sum(-1)
         assert (real == 9 * torch.tensor(image_rows[2].image_tokens)).all() and (pos == -1).any()
     elif kind == "smolvlm":  # our placeholders == SmolVLMProcessor's rule, crops counted
@@ -161,7 +162,7 @@ def test_image_tokens_and_inputs(vlm):
             inputs = _hf_inputs(kind, ex, side)
             expected, _ = hf.model.get_rope_index(
                 inputs["input_ids"], inputs["mm_token_type_ids"],
-                image_grid_thw=ex.images["image_grid_thw"],
+                image_grid_thw=ex.model_inputs()["image_grid_thw"],
             )  # fmt: skip
             assert ex.positions_3d == expected[:, 0].tolist()
 
@@ -302,7 +303,10 @@ def test_gemma3_pan_and_scan_crops_train_as_transformers(tmp_path):
     rows = [_row([(28, 100)], "Wide.", 0), _row([(40, 40), (90, 30)], "Two.", 1)]
     examples, _ = tokenize_rows(rows, tok, max_tokens=1024, images=side)
     assert [n for ex in examples for n in ex.image_tokens] == [12, 4, 12]  # 1 + 2 crops
-    assert len(examples[0].image_spans()) == 3 and examples[0].images["pixel_values"].shape[0] == 3
+    assert (
+        len(examples[0].image_spans()) == 3
+        and examples[0].model_inputs()["pixel_values"].shape[0] == 3
+    )
     # transformers' Gemma3Processor call never turns pan-and-scan on here (its own kwargs
     # default wins over the config), so the crops' text is its replace_image_token's, checked:
     assert "Here is the original image" in tok.decode(examples[0].input_ids)

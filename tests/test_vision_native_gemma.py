@@ -87,7 +87,11 @@ def _hf_inputs(ex, side):
     ids = torch.tensor([ex.input_ids])
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
-    return {"input_ids": ids, "token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+    return {
+        "input_ids": ids,
+        "token_type_ids": (ids == side.image_token_id).int(),
+        **ex.model_inputs(),
+    }
 
 
 def _native(folder, tower="frozen"):

@@ -84,7 +84,11 @@ def _hf_inputs(ex, side):
     ids = torch.tensor([ex.input_ids])
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
-    return {"input_ids": ids, "mm_token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+    return {
+        "input_ids": ids,
+        "mm_token_type_ids": (ids == side.image_token_id).int(),
+        **ex.model_inputs(),
+    }
 
 
 def _native(folder, tower="frozen"):
@@ -107,7 +111,7 @@ def test_image_features_equal_transformers(vlm):
     b = collate(examples)
     with torch.no_grad():
         feats = ours.image_features(image_inputs(b.fields))
-        pixels = [ex.images for ex in examples if isinstance(ex, ImageExample)]
+        pixels = [ex.model_inputs() for ex in examples if isinstance(ex, ImageExample)]
         expected = torch.cat([
             torch.cat(list(hf.model.get_image_features(**p, return_dict=True).pooler_output))
             for p in pixels

@@ -64,7 +64,7 @@ def vlm(request, tmp_path_factory):
     rows = [_row(s, r, k) for k, (s, r) in enumerate(zip(SIZES, ["Wide.", "Two of them."]))]
     examples, report = tokenize_rows([*rows, text], tok, max_tokens=512, images=side)
     assert report.kept == 3
-    grids = [tuple(g) for ex in examples[:2] for g in ex.images["image_grid_thw"].tolist()]
+    grids = [tuple(g) for ex in examples[:2] for g in ex.model_inputs()["image_grid_thw"].tolist()]
     assert len(set(grids)) == 3  # three grids
     return kind, folder, tok, side, examples
 
@@ -78,7 +78,11 @@ def _hf_inputs(ex, side):
     ids = torch.tensor([ex.input_ids])
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
-    return {"input_ids": ids, "mm_token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+    return {
+        "input_ids": ids,
+        "mm_token_type_ids": (ids == side.image_token_id).int(),
+        **ex.model_inputs(),
+    }
 
 
 def _native(folder):

@@ -48,7 +48,11 @@ def _hf_inputs(ex, side):
     ids = torch.tensor([ex.input_ids])
     if not isinstance(ex, ImageExample):
         return {"input_ids": ids}
-    return {"input_ids": ids, "mm_token_type_ids": (ids == side.image_token_id).int(), **ex.images}
+    return {
+        "input_ids": ids,
+        "mm_token_type_ids": (ids == side.image_token_id).int(),
+        **ex.model_inputs(),
+    }
 
 
 def test_host_mrope_positions_equal_transformers_rope_index(qwen):
@@ -58,7 +62,7 @@ def test_host_mrope_positions_equal_transformers_rope_index(qwen):
         expected, _ = hf.model.get_rope_index(
             inputs["input_ids"],
             inputs["mm_token_type_ids"],
-            image_grid_thw=ex.images["image_grid_thw"],
+            image_grid_thw=ex.model_inputs()["image_grid_thw"],
         )
         assert ex.positions_3d == expected[:, 0].tolist()
     b = collate(examples)

@@ -9,10 +9,17 @@ a PIL image. Remote URLs are not fetched (the machines that train are often offl
 row is a counted skip that says to download the images first.
 
 `vision_messages(row)` -> (messages whose content is always a list of `{"type": "text",
-"text"}` and `{"type": "image"}` parts, the row's images in the order their parts appear).
-Every problem is a `RowError` (data/rows.py), counted by reason: `image_count` (parts and
-images do not pair up), `image_missing`, `image_unreadable`, `remote_image`,
+"text"}` and `{"type": "image"}` parts, the row's images as `ImageSource`s in the order their
+parts appear). Every problem is a `RowError` (data/rows.py), counted by reason: `image_count`
+(parts and images do not pair up), `image_missing`, `image_unreadable`, `remote_image`,
 `unsupported_part` (video, audio, unknown types).
+
+An `ImageSource` is what a training example keeps of an image instead of its pixels (the
+image processor runs again per batch, data/vision.py): the resolved absolute file path (with
+the crc32 of its bytes, so a file changed since tokenization is an error, not other pixels),
+the encoded bytes (bytes, `data:` URIs, `datasets.Image` cells), or a PIL image handed in
+memory. `ImageSource.read()` is tokenization's read (a `RowError`: a counted skip);
+`reload()` the collator's (a one-line `ValueError` naming the file: the run stops).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import contextvars
+import dataclasses
 import io
+import zlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +68,8 @@ def has_images(row: Mapping[str, Any]) -> bool:
     )
 
 
-def vision_messages(row: Mapping[str, Any]) -> tuple[list[dict], list[Any]]:
-    """(messages with content parts, PIL images in part order); see the module docstring."""
+def vision_messages(row: Mapping[str, Any]) -> tuple[list[dict], list[ImageSource]]:
+    """(messages with content parts, the images' sources in part order); module docstring."""
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RowError("missing_field", "an image row needs a non-empty 'messages' list")
@@ -101,7 +111,7 @@ def vision_messages(row: Mapping[str, Any]) -> tuple[list[dict], list[Any]]:
             f"the row's 'images' has {len(listed)} but its messages have {next_listed} "
             "image parts for them; add a {'type': 'image'} part per image",
         )
-    return out, [load_image(value, where) for where, value in values]
+    return out, [image_source(value, where) for where, value in values]
 
 
 def _inline_value(part: Mapping[str, Any]) -> Any:
@@ -112,12 +122,66 @@ def _inline_value(part: Mapping[str, Any]) -> Any:
     return url.get("url") if isinstance(url, Mapping) else url
 
 
-def load_image(value: Any, where: str) -> Any:
-    """A PIL image (loaded, RGB) from any supported value (module docstring)."""
+@dataclass(frozen=True)
+class ImageSource:
+    """One image as an example keeps it (module docstring): `value` is a resolved absolute
+    path (str), encoded bytes, or a PIL image; `where` the row part it came from; `crc32`
+    the file's bytes' checksum once `read()` has read it (paths only)."""
+
+    value: Any
+    where: str
+    crc32: int | None = None
+
+    def name(self) -> str:
+        """The file, or where in its row an image given inline was."""
+        return self.value if isinstance(self.value, str) else f"the image of {self.where}"
+
+    def read(self) -> tuple[Any, ImageSource]:
+        """(the image, PIL RGB; this source with the file's crc32); RowError if unreadable."""
+        from PIL import Image
+
+        value, crc = self.value, None
+        if isinstance(value, Image.Image):
+            return value.convert("RGB"), self
+        if isinstance(value, str) and not Path(value).is_file():
+            raise RowError("image_missing", f"{self.where}: no image file {value}")
+        try:
+            if isinstance(value, str):  # read once: the checksum and the decode see one copy
+                value = Path(value).read_bytes()
+                crc = zlib.crc32(value)
+            with Image.open(io.BytesIO(value)) as image:
+                return image.convert("RGB"), dataclasses.replace(self, crc32=crc)
+        except (OSError, ValueError, SyntaxError) as e:
+            name = self.value if isinstance(self.value, str) else "the image bytes"
+            raise RowError("image_unreadable", f"{self.where}: {name}: {e}") from None
+
+    def reload(self) -> Any:
+        """The image again, after tokenization (PIL RGB): a one-line ValueError naming the file
+        when it is gone, unreadable or not the bytes that were tokenized."""
+        try:
+            image, now = self.read()
+        except RowError as e:
+            what = "is gone" if e.reason == "image_missing" else f"is unreadable ({e.detail})"
+            raise ValueError(
+                f"image {self.name()} {what} since the data was tokenized; restore it or "
+                "start the run again"
+            ) from None
+        if now.crc32 != self.crc32:
+            raise ValueError(
+                f"image {self.name()} changed since the data was tokenized; restore it or "
+                "start the run again"
+            )
+        return image
+
+
+def image_source(value: Any, where: str) -> ImageSource:
+    """An `ImageSource` from any supported value (module docstring): relative paths resolved
+    now (`images_relative_to` is set only while rows are tokenized), `data:` URIs decoded;
+    RowError for a URL, a missing file or a value of another type."""
     from PIL import Image
 
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return ImageSource(value, where)
     if isinstance(value, Mapping):  # a datasets.Image cell: bytes, or a path
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str) and value.startswith("data:"):
@@ -135,14 +199,38 @@ def load_image(value: Any, where: str) -> Any:
         path = root / path if root is not None and not path.is_absolute() else path
         if not path.is_file():
             raise RowError("image_missing", f"{where}: no image file {path}")
-        value = path
-    elif isinstance(value, (bytes, bytearray)):
-        value = io.BytesIO(value)
-    else:
-        raise RowError("image_unreadable", f"{where}: an image of type {type(value).__name__}")
-    try:
-        with Image.open(value) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
-        name = value if isinstance(value, Path) else "the image bytes"
-        raise RowError("image_unreadable", f"{where}: {name}: {e}") from None
+        return ImageSource(str(path.resolve()), where)
+    if isinstance(value, (bytes, bytearray)):
+        return ImageSource(bytes(value), where)
+    raise RowError("image_unreadable", f"{where}: an image of type {type(value).__name__}")
+
+
+def undecoded_images(rows: Any) -> Any:
+    """A `datasets.Dataset` whose Image features hand `{"bytes", "path"}` cells instead of
+    decoded PIL images (the same Arrow data, not a copy), so that examples keep the encoded
+    bytes rather than the decoded pixels; other rows as they are."""
+    import copy
+
+    features = getattr(rows, "features", None)
+    if features is None:
+        return rows
+    plain = _undecoded(features)
+    if plain == features:
+        return rows
+    rows = copy.deepcopy(rows)  # datasets shares the Arrow buffers of a deep copy
+    rows.info.features = type(features)(plain)
+    return rows
+
+
+def _undecoded(feature: Any) -> Any:
+    from datasets import Image
+
+    if isinstance(feature, Image):
+        return dataclasses.replace(feature, decode=False)
+    if isinstance(feature, Mapping):
+        return {k: _undecoded(v) for k, v in feature.items()}
+    if isinstance(feature, (list, tuple)):
+        return [_undecoded(v) for v in feature]
+    if dataclasses.is_dataclass(feature) and hasattr(feature, "feature"):  # List, Sequence
+        return dataclasses.replace(feature, feature=_undecoded(feature.feature))
+    return feature

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slipstream.data.formats import detect_format, row_format, to_messages
-from slipstream.data.images import has_images
+from slipstream.data.images import has_images, undecoded_images
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows, row_columns, unwrap_row
 
 PARALLEL_MIN_ROWS = 20_000  # below this, process start-up costs more than it saves
@@ -205,6 +205,8 @@ def tokenize_rows(
     if num_proc is None:
         num_proc = min(os.cpu_count() or 1, 8) if len(rows) > PARALLEL_MIN_ROWS else 1
     num_proc = 1 if images is not None else num_proc  # image rows: one process, in memory
+    if images is not None:  # examples keep datasets.Image cells' bytes, not decoded pixels
+        rows = undecoded_images(rows)
     report = DataReport(rows=len(rows), format=fmt)
     parallel = num_proc > 1 and hasattr(rows, "map")
     if parallel:

@@ -1,7 +1,7 @@
 """Image+text rows -> token ids, targets and the images' model inputs, with the checkpoint's
 own image processor and chat template.
 
-The conversation (data/images.py: parts and PIL images) is rendered by the chat template,
+The conversation (data/images.py: parts and image sources) is rendered by the chat template,
 which prints one placeholder per image part (`<image>`, `<start_of_image>`,
 `<|image_pad|>`, `[IMG]`); each placeholder is then replaced, in order, by the image's token
 sequence, computed from the image processor's output (its grid sizes say how many tokens).
@@ -12,13 +12,35 @@ cannot (Qwen-VL's needs torchvision for its video side), a rule of ours for the 
 (data/labels.py `encode_chat`: assistant-only targets by prefix rendering); tokens of an
 image sequence are never targets.
 
-`ImageExample` holds per image its model inputs (`pixel_values` and the model's extras:
-`image_grid_thw`, `image_sizes`), concatenated over the example's images along dim 0, and
-the id of the token whose rows receive the image features; the collator (data/collate.py)
-concatenates them over the batch and builds the rows those features fill on the host, and,
-for the towers slipstream runs itself (Qwen-VL's, Mistral 3's Pixtral, Gemma 4's,
-Idefics3's), their host-built metadata (data/qwen_vit_meta.py, pixtral_meta.py,
-gemma4_meta.py, idefics3_meta.py).
+`ImageExample` holds what packing needs (ids, targets, per image its size and token count,
+3-D positions, the tower's geometry), the id of the token whose rows receive the image
+features, and per image a small `ImageSource` (data/images.py: a resolved path, encoded
+bytes or a PIL image). Its model inputs (`pixel_values` and the model's extras:
+`image_grid_thw`, `image_sizes`, ...) are computed when a batch is collated
+(`ImageExample.model_inputs()`: `ImageProcessing.process` again, the same processor, so the
+tensors are bit-identical to processing at tokenization), concatenated over the example's
+images along dim 0; the collator (data/collate.py) concatenates them over the batch and
+builds the rows those features fill on the host, and, for the towers slipstream runs itself
+(Qwen-VL's, Mistral 3's Pixtral, Gemma 4's, Idefics3's), their host-built metadata
+(data/qwen_vit_meta.py, pixtral_meta.py, gemma4_meta.py, idefics3_meta.py).
+
+Why per batch: processed pixels are float32 patches, 4.6 MiB an image at Qwen2.5-VL's
+resolution for 448x448 (measured: 916 MiB held for 200; more for a larger screenshot), so
+50k images kept from tokenization to the end of the run are hundreds of GB of host memory;
+a batch's own images are a few (the same 200 as sources: 4 MiB). What it costs is the image
+processor's time once per image per epoch, on the host, when the batch is collated: 13 ms an
+image there against 2.8 ms to concatenate held pixels (docs/benchmarks.md). Only hand-built
+examples and generation prompts (a handful of images, processed once to build the prompt
+anyway) keep their inputs in `images`; a run has no option to keep them all: its memory
+would grow with the dataset again, and the time is better won back by overlapping collation
+with the device step.
+
+An example names the `ImageProcessing` that made it by its checkpoint folder (`processing`),
+looked up in this process's table of built ones (`processing_for`): examples pickle small
+across torchrun ranks (every rank builds the run's ImageProcessing when it tokenizes its
+share of the rows). The image's size and token count are checked again when it is processed:
+a file that changed since tokenization is an error naming it (`ImageSource.reload`), never a
+batch whose rows do not match its features.
 """
 
 from __future__ import annotations
@@ -36,7 +58,7 @@ from slipstream.data.gemma4_meta import GEMMA4_TYPES, Gemma4Geometry
 from slipstream.data.gemma4_meta import KEYS as GEMMA4_KEYS
 from slipstream.data.idefics3_meta import IDEFICS3_TYPES, Idefics3Geometry
 from slipstream.data.idefics3_meta import KEYS as IDEFICS3_KEYS
-from slipstream.data.images import vision_messages
+from slipstream.data.images import ImageSource, vision_messages
 from slipstream.data.labels import Example, encode_chat
 from slipstream.data.mrope import mrope_positions
 from slipstream.data.pixtral_meta import KEYS as PIXTRAL_KEYS
@@ -66,8 +88,10 @@ MROPE_FIELD = "mrope_position_ids"  # (3, T): the packed batch's 3-D positions
 @dataclass
 class ImageExample(Example):
     """An Example with images: `images` (input name -> tensor, the example's images
-    concatenated along dim 0), `image_token_id` (the placeholder rows features fill),
-    `sizes` ((height, width) of each image after resizing), `image_tokens` (per image)."""
+    concatenated along dim 0) when computed up front, else empty: `model_inputs()` computes
+    them from `sources` with the `processing` (a checkpoint folder, `processing_for`) that
+    tokenized it; `image_token_id` (the placeholder rows features fill), `sizes` ((height,
+    width) of each image after resizing), `image_tokens` (per image)."""
 
     images: dict[str, torch.Tensor] = field(default_factory=dict)
     image_token_id: int = -1
@@ -79,6 +103,18 @@ class ImageExample(Example):
     # data/pixtral_meta.py; Gemma 4's, data/gemma4_meta.py; Idefics3's, data/idefics3_meta.py):
     # `tower.metadata(images)` over the batch's concatenated images.
     tower: VitGeometry | PixtralGeometry | Gemma4Geometry | Idefics3Geometry | None = None
+    sources: tuple[ImageSource, ...] = ()  # where each image comes from (data/images.py)
+    processing: str | None = None  # the ImageProcessing that tokenized it (processing_for)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The images' model inputs (input name -> tensor, concatenated along dim 0): `images`
+        when held, else processed now from `sources` (module docstring)."""
+        if self.images:
+            return self.images
+        side = processing_for(self.processing)
+        processed = [side.reprocess(*image) for image in zip(self.sources, self.sizes,
+                                                              self.image_tokens)]  # fmt: skip
+        return cat_inputs(processed)
 
     def feature_rows(self) -> list[int]:
         """The token positions that receive image features, in order (host scan)."""
@@ -211,6 +247,8 @@ class ImageProcessing:
             self.placeholder = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.added_ids = set(tokenizer.get_added_vocab().values())
         self._sequence_ids: dict[str, list[int]] = {}  # replacement text -> its ids
+        self.folder = str(Path(folder).resolve())
+        _BUILT[self.folder] = self  # what its examples' `processing` names
 
     @classmethod
     def from_model(cls, path: str, tokenizer: Any) -> ImageProcessing | None:
@@ -245,25 +283,43 @@ class ImageProcessing:
             size = tuple(inputs["pixel_values"].shape[-2:])
         return inputs, self.replace_image(out, 0), size
 
+    def reprocess(self, source: ImageSource, size: tuple[int, int], tokens: int) -> dict:
+        """One image's model inputs from its source, after tokenization: a one-line ValueError
+        naming it when it is gone or changed, or its size or token count (what its example's
+        rows and positions were built from) are no longer what they were."""
+        inputs, text, now = self.process(source.reload())
+        count = self._ids(self.tokenizer, text).count(self.image_token_id)
+        if (tuple(now), count) != (tuple(size), tokens):
+            raise ValueError(
+                f"image {source.name()} is now {now[0]}x{now[1]} ({count} image tokens), "
+                f"not the {size[0]}x{size[1]} ({tokens}) it was tokenized as; start the run again"
+            )
+        return inputs
+
     def encode(self, row: Mapping[str, Any], tokenizer: Any, train_on: str) -> ImageExample:
-        """One image row as an ImageExample (module docstring); RowError for a bad row."""
-        messages, images = vision_messages(row)
+        """One image row as an ImageExample (module docstring): its pixels are not kept;
+        RowError for a bad row."""
+        messages, sources = vision_messages(row)
+        images, sources = zip(*(s.read() for s in sources)) if sources else ((), ())
         processed = [self.process(image) for image in images]
         expand = self._expander([text for _, text, _ in processed])
         self._check_count(_render(tokenizer, messages), len(images))
         ex = encode_chat(tokenizer, messages, train_on, expand=expand)
-        return self._example(tokenizer, ex.input_ids, ex.trainable, processed)
+        return self._example(tokenizer, ex.input_ids, ex.trainable, processed, sources)
 
     def encode_prompt(self, messages: list[dict], tokenizer: Any) -> ImageExample:
         """A chat prompt with image parts, rendered with the generation prompt, as an
-        ImageExample (no targets): what `slipstream.generate` prefills."""
-        messages, images = vision_messages({"messages": messages})
+        ImageExample (no targets) that holds its model inputs: what `slipstream.generate`
+        prefills."""
+        messages, sources = vision_messages({"messages": messages})
+        images, sources = zip(*(s.read() for s in sources)) if sources else ((), ())
         processed = [self.process(image) for image in images]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         self._check_count(text, len(images))
         expanded = self._expander([t for _, t, _ in processed])(text)
         ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        return self._example(tokenizer, ids, [False] * len(ids), processed)
+        ex = self._example(tokenizer, ids, [False] * len(ids), processed, sources)
+        return replace(ex, images=cat_inputs([inputs for inputs, _, _ in processed]))
 
     def _check_count(self, text: str, images: int) -> None:
         if text.count(self.placeholder) != images:
@@ -273,24 +329,24 @@ class ImageProcessing:
                 f"({self.placeholder!r}) for {images} images",
             )
 
-    def _example(self, tokenizer, ids, trainable, processed) -> ImageExample:
+    def _example(self, tokenizer, ids, trainable, processed, sources) -> ImageExample:
         sequences = [self._ids(tokenizer, text) for _, text, _ in processed]
         # The special tokens of an image's sequence are never targets (an image in a reply).
         image_ids = {i for seq_ids in sequences for i in seq_ids if i in self.added_ids}
         trainable = [t and i not in image_ids for i, t in zip(ids, trainable)]
-        # Every image of one model has the same inputs.
-        inputs = {k: cat_images([p[k] for p, _, _ in processed]) for k in processed[0][0]}
         counts = [seq_ids.count(self.image_token_id) for seq_ids in sequences]
         sizes = [size for *_, size in processed]
         positions = None
         if self.model_type in MROPE_TYPES:  # 3-D positions from the grids, on the host
             merge = self.image_processor.merge_size
-            grids = inputs["image_grid_thw"].tolist()  # host tensors from the processor
+            # host tensors from the processor
+            grids = [g for p, _, _ in processed for g in p["image_grid_thw"].tolist()]
             positions = mrope_positions(ids, self.image_token_id, grids, merge)
         ids = list(ids)
         return ImageExample(
-            ids, trainable, inputs, self.image_token_id, sizes, counts, positions,
-            bidirectional=self._bidirectional(), tower=self.tower,
+            ids, trainable, {}, self.image_token_id, sizes, counts, positions,
+            bidirectional=self._bidirectional(), tower=self.tower, sources=tuple(sources),
+            processing=self.folder,
         )  # fmt: skip
 
     def _bidirectional(self) -> bool:
@@ -325,6 +381,28 @@ class ImageProcessing:
         return self._sequence_ids[text]
 
 
+# Checkpoint folder -> the ImageProcessing built for it in this process (ImageExample's
+# `processing`); the last one built wins (the same files, the same processor).
+_BUILT: dict[str, ImageProcessing] = {}
+
+
+def processing_for(folder: str | None) -> ImageProcessing:
+    """The ImageProcessing built in this process for checkpoint `folder` (an ImageExample's
+    `processing`); a ValueError when none was."""
+    if folder not in _BUILT:
+        raise ValueError(
+            f"examples with images from {folder} need that checkpoint's image processor in "
+            "this process: build ImageProcessing.from_model(...) before collating them"
+        )
+    return _BUILT[folder]
+
+
+def cat_inputs(inputs: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Model inputs of several images (name -> tensor each) concatenated along dim 0: every
+    image of one model has the same inputs."""
+    return {k: cat_images([p[k] for p in inputs]) for k in inputs[0]}
+
+
 def _render(tokenizer: Any, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False)
 
@@ -355,8 +433,7 @@ def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, Any]:
     tower metadata over all the images (data/qwen_vit_meta.py: tensors and SeqInfos)."""
     rows = [start + t for start, ex in examples for t in ex.feature_rows()]
     out: dict[str, Any] = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
-    for name in examples[0][1].images:
-        out[name] = cat_images([ex.images[name] for _, ex in examples])
+    out.update(cat_inputs([ex.model_inputs() for _, ex in examples]))
     geometry = examples[0][1].tower
     if geometry is not None:  # host tensors from the image processor
         out.update(geometry.metadata(out))

@@ -63,7 +63,7 @@ def packed_prompt_images(examples: dict, lengths: Sequence[int]) -> dict | None:
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     placed = [(starts[i], ex) for i, ex in sorted(examples.items())]
     out = packed_images(placed)
-    out[PROMPTS_KEY] = {i: (ex.images, ex.image_token_id) for i, ex in examples.items()}
+    out[PROMPTS_KEY] = {i: (ex.model_inputs(), ex.image_token_id) for i, ex in examples.items()}
     if spans := packed_image_spans(placed):  # host ints, for the prefill's SeqInfo
         out[SPANS_KEY] = spans
     if any(ex.positions_3d for ex in examples.values()):  # Qwen-VL: 3-D prompt positions
