@@ -189,3 +189,27 @@ def test_gemma3_image_rows_train_natively_and_generate_with_an_image(tmp_path, c
     chat = [[{"role": "user", "content": "Which is it?"}]]  # as the CLI wraps a prompt
     (c,) = slipstream.generate(model, chat, tokenizer=tok, max_new_tokens=4)
     assert printed == c.text.strip()
+
+
+def test_two_ranks_train_image_rows_as_one_process(run_dir, tmp_path):
+    """Under torchrun each rank tokenizes its share of the rows and every rank collates
+    examples another rank made: their images travel as sources (data/images.py), so each
+    rank reprocesses them with its own image processor. Two DDP ranks at grad_accum 1 make
+    the losses one process makes at grad_accum 2 (the same global batches)."""
+    from helpers.runs import losses
+    from helpers.torchrun import check, train_job
+
+    single = yaml.safe_load(_config(run_dir, tmp_path / "single", grad_accum=2).read_text())
+    single["model"]["dtype"] = "float32"
+    assert cli.main(["train", str(_write(tmp_path / "single.yaml", single))]) == 0
+    raw = yaml.safe_load(_config(run_dir, tmp_path / "ddp", parallel="ddp").read_text())
+    raw["model"]["dtype"] = "float32"
+    check(train_job(raw, tmp_path))
+    one, two = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert sorted(one) == sorted(two) == [1, 2]
+    assert all(abs(one[s] - two[s]) <= 1e-4 * abs(one[s]) for s in one), (one, two)
+
+
+def _write(path, raw):
+    path.write_text(yaml.safe_dump(raw))
+    return path
