@@ -114,9 +114,16 @@ def _tokenizer(out: Path, tokens: list[str], placeholder: str, named: dict | Non
     return tok
 
 
-def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None = None) -> Path:
+def vlm_folder(
+    out: Path,
+    kind: str = "llava",
+    seed: int = 0,
+    text: dict | None = None,
+    vision: dict | None = None,
+) -> Path:
     """A saved tiny `kind` checkpoint with processor files (module docstring); `text`:
-    Gemma 3's or Gemma 4's text config overrides."""
+    Gemma 3's, Gemma 4's or Qwen2.5-VL's text config overrides; `vision`: Qwen2.5-VL's tower
+    config overrides (benchmarks/bench_vision.py's wider model)."""
     import transformers
 
     out = Path(out)
@@ -146,9 +153,9 @@ def vlm_folder(out: Path, kind: str = "llava", seed: int = 0, text: dict | None 
             depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
             fullatt_block_indexes=[0],
-        )  # fmt: skip
+        ) | (vision or {})  # fmt: skip
         config = transformers.Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tok), rope_parameters=rope, **TEXT),
+            text_config={**TEXT, "vocab_size": len(tok), "rope_parameters": rope, **(text or {})},
             vision_config=vision,
             image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
             vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
