@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     import transformers
-    from helpers.tiny_vlm import random_image, vlm_folder
+    from helpers.tiny_vlm import vlm_folder, write_picture_rows
 
     import slipstream
     from slipstream.data import collate, tokenize_rows
@@ -58,16 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
         root = Path(tmp)
         folder = vlm_folder(root / "model", "qwen2_5_vl")
         full_resolution(folder)
-        (root / "pics").mkdir()
-        rows = []
-        for i in range(args.images):
-            random_image(448, 448, seed=i).save(root / "pics" / f"{i}.png")
-            parts = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
-            turns = [{"role": "user", "content": parts},
-                     {"role": "assistant", "content": f"Picture {i}."}]  # fmt: skip
-            rows.append({"messages": turns, "images": [f"pics/{i}.png"]})
-        data = root / "train.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # One 448 x 448 picture a row, each its own (random, seeded by its number).
+        data = write_picture_rows(root, [(448, 448)] * args.images, n=args.images)
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
         tok = transformers.AutoTokenizer.from_pretrained(folder)
         side = ImageProcessing.from_model(str(folder), tok)
         with images_relative_to(data):
