@@ -108,10 +108,14 @@ def test_f16_mmproj_beside_a_quantized_text_file(gemma3, tmp_path):
 @pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
 def test_idefics3_text_gguf_and_mmproj(kind, tmp_path):
     folder = vlm_folder(tmp_path / kind, kind)
+    _edit_config(
+        folder, "text_config", rope_parameters={"rope_type": "default", "rope_theta": 1e5}
+    )  # SmolVLM's
     out = tmp_path / "i.f32.gguf"
     assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
     text = gguf.GGUFReader(out)
     assert fields(text)["general.architecture"] == "llama"  # the language model alone
+    assert fields(text)["llama.rope.freq_base"] == 1e5  # config.json's, not a default
     names = {t.name for t in text.tensors}
     assert {"token_embd.weight", "output.weight", "blk.1.attn_q.weight"} <= names
     assert not [n for n in names if n.startswith(("v.", "mm."))]
@@ -439,6 +443,8 @@ def test_mistral3_text_gguf_and_pixtral_mmproj(tmp_path):
          "sliding_window 16 < max_position_embeddings 512"),
         ({"text_config": {"model_type": "ministral3"}},  # Ministral 3: yarn + temperature
          "mistral3 with a 'ministral3' language model: only a Mistral one is written here"),
+        ({"text_config": {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}},
+         "mistral3 with linear RoPE scaling"),  # config.json's RoPE, not the generic default
     ],
 )  # fmt: skip
 def test_a_mistral3_llama_cpp_would_run_differently_is_one_line(edit, said, tmp_path, capsys):

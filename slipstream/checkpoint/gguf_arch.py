@@ -92,9 +92,23 @@ def spec_for(cfg: Any) -> GGUFSpec:
     return spec
 
 
+def language_model(cfg: Any) -> Any:
+    """The config the spec reads: an image-text type's (IMAGE_TEXT_LM) with its language
+    model's RoPE from config.json, since transformers' rotary embedding runs it and the
+    generic config holds a placeholder (its base 1e4 went into the GGUF: Mistral Small 3.1's
+    is 1e9, SmolVLM's 1e5)."""
+    if cfg.model_type not in IMAGE_TEXT_LM:
+        return cfg
+    from dataclasses import replace
+
+    from slipstream.models.rope import RopeConfig
+
+    return replace(cfg, rope=RopeConfig.from_hf(text_hf(cfg)))
+
+
 def check_supported(cfg: Any) -> None:
     """Refuse what llama.cpp would run differently from us (one line: what and why)."""
-    spec_for(cfg).check(cfg, text_hf(cfg))
+    spec_for(cfg).check(language_model(cfg), text_hf(cfg))
 
 
 def block_count(cfg: Any) -> int:
@@ -105,7 +119,7 @@ def block_count(cfg: Any) -> int:
 
 def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
     """Hyperparameters under llama.cpp's keys (`GGUFWriter.add_*`), as its converter writes them."""
-    hf = text_hf(cfg)
+    hf, cfg = text_hf(cfg), language_model(cfg)
     w.add_block_count(block_count(cfg))
     w.add_context_length(int(hf.get("max_position_embeddings") or 4096))
     w.add_embedding_length(cfg.hidden_size)
@@ -121,7 +135,7 @@ def write_metadata(w: Any, cfg: Any, arch: Any) -> None:
 
 def extra_tensors(cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors llama.cpp wants that HF derives from config.json (RoPE factors)."""
-    yield from spec_for(cfg).extra_tensors(cfg)
+    yield from spec_for(cfg).extra_tensors(language_model(cfg))
 
 
 def hf_named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
