@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from helpers.tiny_vlm import (
+    ministral3_text,
     mistral3_as_llama_cpp,
     qwen2_5_vl_as_llama_cpp,
     qwen3_vl_as_llama_cpp,
@@ -441,8 +442,8 @@ def test_mistral3_text_gguf_and_pixtral_mmproj(tmp_path):
          "the tower's RoPE base 1e+06 (llama.cpp: 10000)"),
         ({"text_config": {"sliding_window": 16}},
          "sliding_window 16 < max_position_embeddings 512"),
-        ({"text_config": {"model_type": "ministral3"}},  # Ministral 3: yarn + temperature
-         "mistral3 with a 'ministral3' language model: only a Mistral one is written here"),
+        ({"text_config": {"model_type": "llama"}},
+         "mistral3 with a 'llama' language model: only a Mistral or Ministral 3 one"),
         ({"text_config": {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}},
          "mistral3 with linear RoPE scaling"),  # config.json's RoPE, not the generic default
     ],
@@ -460,6 +461,48 @@ def test_a_mistral3_llama_cpp_would_run_differently_is_one_line(edit, said, tmp_
     # the text model's refusal comes after loading it (transformers' progress bars first)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("slipstream")]
     assert len(err) == 1 and said in err[0]
+    assert not list(folder.glob("gguf/*"))  # nothing written
+
+
+def test_ministral3_text_gguf_has_yarn_and_the_attention_temperature(tmp_path):
+    """Ministral 3's language model: YaRN's keys, mscale_all_dim and the temperature beta
+    under the keys llama.cpp's mistral3 reads (its converter's), the mmproj as Mistral 3's."""
+    folder = mistral3_as_llama_cpp(ministral3_text(vlm_folder(tmp_path / "m", "mistral3")))
+    out = tmp_path / "m.f32.gguf"
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    text = fields(gguf.GGUFReader(out))
+    assert text["general.architecture"] == "mistral3"
+    assert text["mistral3.rope.freq_base"] == 100.0  # config.json's rope_theta
+    assert text["mistral3.rope.scaling.type"] == "yarn"
+    assert text["mistral3.rope.scaling.factor"] == 4.0
+    assert text["mistral3.rope.scaling.original_context_length"] == 16  # the temperature's too
+    assert text["mistral3.rope.scaling.yarn_beta_fast"] == 16.0
+    assert text["mistral3.rope.scaling.yarn_beta_slow"] == 0.25
+    assert text["mistral3.rope.scaling.yarn_log_multiplier"] == 1.0  # mscale_all_dim
+    assert text["mistral3.attention.temperature_scale"] == pytest.approx(0.3)
+    assert "mistral3.rope.scaling.yarn_attn_factor" not in text  # llama.cpp computes it
+    assert fields(gguf.GGUFReader(tmp_path / "mmproj-m.f32.gguf"))["clip.projector_type"] == (
+        "pixtral"
+    )
+
+
+@pytest.mark.parametrize(
+    ("rope", "said"),
+    [
+        ({"rope_type": "default"}, "default RoPE (llama.cpp's converter: yarn only)"),
+        ({"llama_4_scaling_beta": None}, "no llama_4_scaling_beta"),
+        ({"attention_factor": 1.2}, "attention_factor 1.2 (llama.cpp's mistral3 computes it"),
+        ({"mscale": 0.5}, "mscale 0.5 (llama.cpp's mistral3 takes 1)"),
+        ({"truncate": False}, "truncate=false"),
+    ],
+)  # fmt: skip
+def test_a_ministral3_llama_cpp_would_run_differently_is_one_line(rope, said, tmp_path, capsys):
+    folder = vlm_folder(tmp_path / "m", "mistral3")
+    folder = mistral3_as_llama_cpp(ministral3_text(folder, **rope))
+    capsys.readouterr()
+    assert main(["export", str(folder), "--gguf", "f16"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("slipstream")]
+    assert len(err) == 1 and "mistral3 with a ministral3 language model with " + said in err[0]
     assert not list(folder.glob("gguf/*"))  # nothing written
 
 

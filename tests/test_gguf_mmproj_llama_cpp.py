@@ -27,6 +27,7 @@ from helpers.llama_cpp_mtmd import (
     generate,
     image_embeddings,
     load,
+    no_repack_params,
 )
 from helpers.tiny_vlm import random_image, randomise_constant_tensors, vlm_folder
 
@@ -232,8 +233,9 @@ def _mistral3_ids(model, folder, prompt: list) -> list[int]:
     return ids
 
 
-def test_mistral3_logits_and_greedy_generation_with_the_image_equal_transformers(mistral3):
-    folder, text, llm, ctx = mistral3
+def _mistral3_generation(folder, llm, ctx, what: str, least: int = 0) -> list:
+    """llama.cpp on PROMPT with two images: logits after the image and greedy tokens as
+    transformers' (prompts of at least `least` positions); the two logits."""
     model = hf_model(folder)
     firsts = []
     for seed in (6, 7):
@@ -242,11 +244,90 @@ def test_mistral3_logits_and_greedy_generation_with_the_image_equal_transformers
         if torch.isnan(first).any():
             pytest.skip(_LLAMA_CPP_NAN)
         ids = torch.tensor([_mistral3_ids(model, folder, prompt)])
+        assert ids.shape[1] >= least
         inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                       **_mistral3_pixels(folder, image))  # fmt: skip
-        assert_generation_equals_transformers(model, inputs, first, got, NEW_TOKENS, "mistral3")
+        assert_generation_equals_transformers(model, inputs, first, got, NEW_TOKENS, what)
         firsts.append(first)
-    assert_images_matter(firsts)
+    return firsts
+
+
+def test_mistral3_logits_and_greedy_generation_with_the_image_equal_transformers(mistral3):
+    folder, text, llm, ctx = mistral3
+    assert_images_matter(_mistral3_generation(folder, llm, ctx, "mistral3"))
+
+
+# --- Ministral 3: Mistral 3 with a ministral3 language model (YaRN + Llama 4's attention
+# temperature; helpers.tiny_vlm.MINISTRAL3_ROPE: original context 16, so positions from 16 on
+# are scaled, and every one is YaRN's), the same image and tower.
+def _ministral3_export(folder, out):
+    assert main(["export", str(folder), "--gguf", "f32", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def ministral3(tmp_path_factory):
+    from helpers.tiny_vlm import ministral3_text, mistral3_as_llama_cpp
+
+    folder = vlm_folder(tmp_path_factory.mktemp("ministral3"), "mistral3")
+    folder = mistral3_as_llama_cpp(ministral3_text(folder))
+    randomise_constant_tensors(folder)  # norms at one
+    return folder, _ministral3_export(folder, tmp_path_factory.mktemp("gguf") / "m.f32.gguf")
+
+
+def test_ministral3_logits_and_greedy_generation_with_the_image_equal_transformers(ministral3):
+    folder, text = ministral3
+    llm, ctx = load(text, mmproj_path(text, "f32"))
+    try:
+        assert_images_matter(_mistral3_generation(folder, llm, ctx, "ministral3", least=20))
+    finally:
+        close(llm, ctx)
+
+
+# A text-only prompt of 48 tokens: positions 0..47, three temperature bands (floor(p / 16));
+# no image, so llama.cpp's pixtral NaN cannot skip it. The KV cache in f32 (llama.cpp's is
+# f16: 1.9e-3 here, 1.7e-3 for a plain Mistral 3), so the bound can be tight.
+LONG_TEXT = "Hello, how are you doing today? I went hiking in the mountains. " * 3
+
+
+def _text_logits_error(folder, text) -> float:
+    """llama.cpp's logits at every position of LONG_TEXT against transformers': max rel."""
+    import llama_cpp
+
+    ids = transformers.AutoTokenizer.from_pretrained(str(folder))(LONG_TEXT).input_ids[:48]
+    assert len(ids) == 48
+    with mock.patch("llama_cpp.llama.llama_cpp.llama_model_default_params", no_repack_params):
+        llm = llama_cpp.Llama(model_path=str(text), n_ctx=64, logits_all=True, verbose=False,
+                              n_threads=2, type_k=0, type_v=0,  # GGML_TYPE_F32
+                              yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)  # fmt: skip
+    llm.eval(ids)
+    ours = torch.tensor(llm.scores[: len(ids)], dtype=torch.float32)
+    llm.close()
+    with torch.no_grad():
+        theirs = hf_model(folder)(input_ids=torch.tensor([ids])).logits[0]
+    return float(((ours - theirs).abs().amax(-1) / theirs.abs().amax(-1)).max())
+
+
+def test_ministral3_text_logits_at_every_position_equal_transformers(ministral3):
+    err = _text_logits_error(*ministral3)
+    print(f"ministral3: text logits at positions 0..47 rel {err:.2e}")
+    assert err < 1e-4  # measured 2.5e-6
+
+
+def test_ministral3_without_its_keys_differs_from_transformers(ministral3, tmp_path):
+    """The check can fail: the file without Ministral 3's two keys (mscale_all_dim as
+    yarn_log_multiplier, the temperature beta) runs another model in llama.cpp."""
+    import gguf
+
+    folder, _ = ministral3
+    with (
+        mock.patch.object(gguf.GGUFWriter, "add_rope_scaling_yarn_log_mul", lambda *a: None),
+        mock.patch.object(gguf.GGUFWriter, "add_attn_temperature_scale", lambda *a: None),
+    ):
+        text = _ministral3_export(folder, tmp_path / "plain.f32.gguf")
+    err = _text_logits_error(folder, text)
+    print(f"ministral3 without its keys: text logits rel {err:.2e}")
+    assert err > 1e-2  # measured 3.0e-1 (1.2e-1 after the image, bound 5e-3)
 
 
 def clip_and_standardize(folder) -> None:

@@ -8,7 +8,9 @@ SPECS.
   `rope.scaling.original_context_length`, which llama.cpp reads for yarn only: import takes
   it to rebuild the same config, `gguf_llama3.py`).
 - mistral3: Mistral 3's language model (model.language_model) as llama.cpp's mistral3 (llama's
-  layout; export only, its vision side goes to the mmproj).
+  layout; export only, its vision side goes to the mmproj); a Ministral 3 one with YaRN's keys,
+  its mscale_all_dim as `rope.scaling.yarn_log_multiplier` and Llama 4's attention temperature
+  beta as `attention.temperature_scale`.
 - gemma3: RMSNorm weights stored as 1 + w (HF's Gemma3RMSNorm adds the 1 at run time).
 - qwen3_moe: one (E, F, D) tensor per expert projection (HF names one matrix per expert:
   stacked as they come by `gguf_arch.gguf_tensors`, split again on import).
@@ -143,18 +145,20 @@ LLAMA = GGUFSpec(
 
 def _mistral3_check(cfg: Any, hf: dict) -> None:
     """Mistral 3's language model as llama.cpp's mistral3 graph runs it: a Mistral decoder
-    (llama's, Q/K permuted the same way), RoPE without scaling, no sliding window."""
+    (llama's, Q/K permuted the same way) with plain RoPE, or a Ministral 3 one
+    (`_ministral3_check`); no sliding window."""
     kind = hf.get("model_type")
-    if kind != "mistral":  # Ministral 3: yarn + Llama 4's attention temperature, unverified
+    if kind == "ministral3":
+        _ministral3_check(cfg.rope, hf)
+    elif kind != "mistral":
         raise ValueError(
-            f"GGUF export: mistral3 with a {kind!r} language model: only a Mistral one is "
-            "written here (Ministral 3's yarn RoPE with attention temperature is not checked "
-            "against llama.cpp)."
+            f"GGUF export: mistral3 with a {kind!r} language model: only a Mistral or "
+            "Ministral 3 one is written here."
         )
-    if cfg.rope.rope_type != "default":
+    elif cfg.rope.rope_type != "default":
         raise ValueError(
             f"GGUF export: mistral3 with {cfg.rope.rope_type} RoPE scaling: llama.cpp's "
-            "mistral3 is written here with plain RoPE only."
+            "mistral3 is written here with plain RoPE only (or Ministral 3's yarn)."
         )
     window, longest = hf.get("sliding_window"), int(hf.get("max_position_embeddings") or 0)
     if window and int(window) < longest:
@@ -164,12 +168,56 @@ def _mistral3_check(cfg: Any, hf: dict) -> None:
         )
 
 
+def _ministral3_beta(hf: dict) -> Any:
+    """Ministral 3's attention temperature beta (rope_parameters' llama_4_scaling_beta)."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}.get(
+        "llama_4_scaling_beta"
+    )
+
+
+def _ministral3_check(rope: Any, hf: dict) -> None:
+    """Ministral 3 (transformers' ministral3): YaRN RoPE, and queries at position p scaled by
+    1 + beta * log(1 + floor(p / original_max_position_embeddings)) after RoPE, as llama.cpp's
+    mistral3 does (attention.temperature_scale, its floor the YaRN original context). llama.cpp
+    computes YaRN's attention factor as get_mscale(factor) / get_mscale(factor, log_mul) with
+    mscale 1, and rounds the ramp's ends (transformers' truncate)."""
+    differs = None
+    if rope.rope_type != "yarn":  # llama.cpp's converter asserts yarn for ministral3 too
+        differs = f"{rope.rope_type} RoPE (llama.cpp's converter: yarn only)"
+    elif _ministral3_beta(hf) is None:
+        differs = "no llama_4_scaling_beta (transformers' ministral3 needs it)"
+    elif rope.attention_factor is not None:
+        differs = (f"attention_factor {rope.attention_factor} (llama.cpp's mistral3 computes "
+                   "it from factor and mscale_all_dim)")  # fmt: skip
+    elif rope.mscale and rope.mscale_all_dim and rope.mscale != 1:
+        differs = f"mscale {rope.mscale} (llama.cpp's mistral3 takes 1)"
+    elif not rope.truncate:
+        differs = "truncate=false (llama.cpp rounds YaRN's correction range)"
+    if differs:
+        raise ValueError(
+            f"GGUF export: mistral3 with a ministral3 language model with {differs}: llama.cpp "
+            "would compute another model."
+        )
+
+
+def _mistral3_metadata(w: Any, cfg: Any, hf: dict) -> None:
+    """RoPE's keys (yarn's for Ministral 3); Ministral 3's mscale_all_dim and temperature beta
+    as llama.cpp's converter writes them. (llama-cpp-python's Llama() replaces the file's YaRN
+    betas by 32 and 1 unless given yarn_beta_fast=yarn_beta_slow=-1; llama-cli reads them.)"""
+    rope_metadata(w, cfg, hf)
+    if hf.get("model_type") != "ministral3":
+        return
+    if cfg.rope.mscale and cfg.rope.mscale_all_dim:  # else transformers' get_mscale(factor)
+        w.add_rope_scaling_yarn_log_mul(float(cfg.rope.mscale_all_dim))
+    w.add_attn_temperature_scale(float(_ministral3_beta(hf)))
+
+
 # Mistral 3's language model (model.language_model: IMAGE_TEXT_LM): llama.cpp's mistral3, as
 # its converter writes Mistral3ForConditionalGeneration. Export only, as qwen2vl. Its
 # checkpoints ship Mistral's Tekken BPE tokenizer: llama.cpp's "tekken" pre-tokenizer.
 MISTRAL3 = GGUFSpec(
-    "MISTRAL3", "mistral3", ("mistral3",), check=_mistral3_check, transforms=LLAMA.transforms,
-    pre_tokenizer="tekken",
+    "MISTRAL3", "mistral3", ("mistral3",), check=_mistral3_check,
+    write_metadata=_mistral3_metadata, transforms=LLAMA.transforms, pre_tokenizer="tekken",
 )  # fmt: skip
 
 # ----------------------------------------------------------------------------- qwen

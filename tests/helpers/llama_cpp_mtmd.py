@@ -37,11 +37,13 @@ def no_repack_params():
 
 
 def load(text: Path, mmproj: Path):
-    """llama.cpp's model and context on the text GGUF (f32 logits of every token, 2 threads)
-    and the mtmd context of the mmproj on it: (llm, ctx); free with `close`."""
+    """llama.cpp's model and context on the text GGUF (f32 logits of every token, 2 threads;
+    YaRN's betas from the file, as llama-cli's: llama-cpp-python's own default is 32 / 1) and
+    the mtmd context of the mmproj on it: (llm, ctx); free with `close`."""
     with mock.patch("llama_cpp.llama.llama_cpp.llama_model_default_params", no_repack_params):
         llm = llama_cpp.Llama(model_path=str(text), n_ctx=256, n_batch=128, n_ubatch=128,
-                              logits_all=True, verbose=False, n_threads=2)  # fmt: skip
+                              logits_all=True, verbose=False, n_threads=2,
+                              yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)  # fmt: skip
     params = mtmd.mtmd_context_params_default()
     params.use_gpu = False
     params.print_timings = False

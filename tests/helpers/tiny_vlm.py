@@ -353,6 +353,28 @@ def mistral3_as_llama_cpp(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+# Ministral 3's RoPE on the tiny text model, chosen so each part shows within a short prompt:
+# positions from 16 on get the attention temperature (1 + 0.3 log 2 there); at base 100 and
+# head_dim 8 the YaRN ramp spans frequencies 0..3 with beta_slow 0.25 (0..1 with 1, so the
+# betas matter); factor 4 with mscale_all_dim 1 gives attention factor 1 (1.14 without it).
+MINISTRAL3_ROPE = dict(
+    rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=16,
+    beta_fast=16.0, beta_slow=0.25, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.3,
+)  # fmt: skip
+
+
+def ministral3_text(folder: Path, **rope) -> Path:
+    """The tiny Mistral 3 of `vlm_folder` with a Ministral 3 language model (its config only:
+    the weights are a Mistral's); `rope`: MINISTRAL3_ROPE overrides (None drops a key). Then
+    `mistral3_as_llama_cpp` builds its weights."""
+    cfg = json.loads((folder / "config.json").read_text())
+    text = {k: v for k, v in cfg["text_config"].items() if k not in ("rope_theta", "rope_scaling")}
+    params = {k: v for k, v in {**MINISTRAL3_ROPE, **rope}.items() if v is not None}
+    cfg["text_config"] = {**text, "model_type": "ministral3", "rope_parameters": params}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def peft_summed_loss(peft_model, examples, inputs) -> torch.Tensor:
     """transformers + peft's loss summed over labelled tokens, one example at a time
     (`inputs(ex)`: the model's keyword inputs of one example), backpropagated."""
