@@ -220,6 +220,13 @@ class TrainSection(_Section):
             raise ValueError("train.save_best needs train.eval_every > 0 (evals during the run)")
         return self
 
+    @field_validator("mlp_tiles", "memory", mode="before")
+    @classmethod
+    def _off_as_written(cls, value: Any) -> Any:
+        """`off` as the user wrote it: YAML 1.1 (PyYAML, in a file and in key=value) reads a
+        bare off as False, which made `train.memory=off` an error."""
+        return "off" if value is False else value
+
     @field_validator("mlp_tiles")
     @classmethod
     def _tiles_positive(cls, value: str | int) -> str | int:

@@ -252,3 +252,18 @@ def test_data_folder_is_ignored_but_no_tracked_folder(tmp_path):
 
     assert ignored("data/pairs/train.jsonl")
     assert not ignored("tests/data/rows.jsonl") and not ignored("slipstream/data/formats.py")
+
+
+def test_off_reads_as_off_in_a_file_and_an_override(tmp_path):
+    """YAML 1.1 reads a bare `off` as False: `train.memory: off` and `train.mlp_tiles=off`
+    (as README writes them) were errors ("Input should be 'check', 'auto' or 'off' (got
+    False)"); they mean "off". `true` is still an error."""
+    raw = {**BASE, "train": {**BASE.get("train", {}), "memory": "REPLACE", "mlp_tiles": "REPLACE"}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw).replace("REPLACE", "off"))
+    cfg = load_config(path)
+    assert (cfg.train.memory, cfg.train.mlp_tiles) == ("off", "off")
+    cfg = load_config(path, ["train.memory=auto", "train.mlp_tiles=off"])
+    assert (cfg.train.memory, cfg.train.mlp_tiles) == ("auto", "off")
+    with pytest.raises(ValueError, match="train.memory"):
+        load_config(path, ["train.memory=true"])
