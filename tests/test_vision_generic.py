@@ -280,3 +280,38 @@ def test_merged_export_is_a_complete_image_text_checkpoint(llava, tmp_path):
             input_ids=torch.tensor([ex.input_ids]), pixel_values=ex.model_inputs()["pixel_values"]
         )
     torch.testing.assert_close(got.logits[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tower_lora_leaves_multihead_attention_alone_and_loads_in_peft(tmp_path):
+    """A SigLIP tower with its attention-pooling head (nn.MultiheadAttention, as the tiny
+    Gemma 3's config has it): the head's out_proj is read by MultiheadAttention's forward as
+    weight and bias tensors, past any wrapper, so `vision.tower: lora` with all-linear leaves
+    it alone (it broke the step: 'LoRALinear' object has no attribute 'bias'); the tower's
+    other linears get LoRA, and the adapter loads in peft with our logits."""
+    from slipstream.config_sections import VisionSection
+    from slipstream.train.setup import vision_training
+
+    folder = vlm_folder(tmp_path / "gemma3", "gemma3")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    [ex], _ = tokenize_rows([_row([(40, 60)], "What is it?", "A square.")], tok,
+                            max_tokens=512, images=side)  # fmt: skip
+    ours = slipstream.load_model(folder, implementation="transformers")
+    heads = [n for n, m in ours.named_modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    assert heads  # the case under test is there
+    vision_training(ours, VisionSection(tower="lora"), "lora", before_lora=True)
+    slipstream.apply_lora(ours, rank=4, alpha=8, targets="all-linear")
+    wrapped = list(slipstream.peft.lora.lora_modules(ours))
+    assert [n for n in wrapped if "vision_tower" in n]
+    assert not [n for n in wrapped if n.startswith(tuple(f"{h}." for h in heads))]
+    loss = _ours(ours, [ex], reduction="sum")
+    loss.backward()  # the step that raised
+    randomise_lora_b(ours)
+    slipstream.save_adapter(ours, tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(_hf(folder), tmp_path / "adapter").eval()
+    ids, batch = torch.tensor([ex.input_ids]), collate([ex])  # its seq: the image spans
+    with torch.no_grad():
+        got = ours.eval()(batch.input_ids, batch.seq, images=image_inputs(batch.fields))
+        expected = peft_model(input_ids=ids, pixel_values=ex.model_inputs()["pixel_values"],
+                              token_type_ids=(ids == side.image_token_id).long()).logits[0]  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

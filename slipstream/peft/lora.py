@@ -57,7 +57,11 @@ def check_hyperparameters(
 
 
 def linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """(full name, parent, attribute, module) for each nn.Linear not inside a LoRALinear."""
+    """(full name, parent, attribute, module) for each nn.Linear not inside a LoRALinear nor
+    an nn.MultiheadAttention: its forward (F.multi_head_attention_forward) reads
+    `out_proj.weight` and `.bias` as tensors, past any wrapper, so a LoRA there would never
+    run (and a wrapper without `.bias` broke it: a SigLIP tower with its attention-pooling head,
+    `vision.tower: lora`)."""
     found = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -65,7 +69,7 @@ def linear_children(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Line
             name = f"{prefix}{attr}"
             if isinstance(child, nn.Linear):
                 found.append((name, module, attr, child))
-            elif not isinstance(child, LoRALinear):
+            elif not isinstance(child, (LoRALinear, nn.MultiheadAttention)):
                 visit(name + ".", child)
 
     visit("", model)
