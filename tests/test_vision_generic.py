@@ -312,6 +312,7 @@ def test_tower_lora_leaves_multihead_attention_alone_and_loads_in_peft(tmp_path)
     ids, batch = torch.tensor([ex.input_ids]), collate([ex])  # its seq: the image spans
     with torch.no_grad():
         got = ours.eval()(batch.input_ids, batch.seq, images=image_inputs(batch.fields))
-        expected = peft_model(input_ids=ids, pixel_values=ex.model_inputs()["pixel_values"],
-                              token_type_ids=(ids == side.image_token_id).long()).logits[0]  # fmt: skip
+        types = (ids == side.image_token_id).long()  # transformers' bidirectional image rows
+        pixels = ex.model_inputs()["pixel_values"]
+        expected = peft_model(input_ids=ids, pixel_values=pixels, token_type_ids=types).logits[0]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
