@@ -23,25 +23,34 @@ class MeasuredStep:
     cuda_peak: int | None  # torch.cuda.max_memory_allocated over the step (CUDA only)
 
 
-def measure_step(model, optimizer, lengths: list[int], track: bool = True) -> MeasuredStep:
+def measure_step(
+    model, optimizer, lengths: list[int], track: bool = True, batch=None
+) -> MeasuredStep:
+    """`batch` (memory/probe_images.py ImageBatch, on the model's device): a micro-batch with
+    images in place of random tokens of `lengths`."""
     from slipstream.ops.packing import SeqInfo
 
     device = next(model.parameters()).device
-    T = sum(lengths)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(T, device=device)
-    seq = SeqInfo.from_lengths(list(lengths), device=device)
+    images, inputs = {}, []
+    if batch is None:
+        vocab, T = model.config.vocab_size, sum(lengths)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (T,), generator=gen).to(device)
+        seq = SeqInfo.from_lengths(list(lengths), device=device)
+    else:
+        ids, seq, images = batch.ids, batch.seq, {"images": batch.images}
+        inputs = batch.tensors()
+    positions = torch.arange(ids.shape[0], device=device)
 
     def step() -> None:
-        loss = model.loss(ids, ids, seq, reduction="sum", label_positions=positions)
+        loss = model.loss(ids, ids, seq, reduction="sum", label_positions=positions, **images)
         loss.backward()
         del loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    held = list(model.parameters()) + list(model.buffers()) + [ids, positions]
+    held = list(model.parameters()) + list(model.buffers()) + [ids, positions] + inputs
     held += [seq.position_ids] + [
         t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
     ]

@@ -1,13 +1,16 @@
 """The memory planner: a run's peak memory by component, before a weight loads; the longest
 batch that fits; the techniques it needs.
 
-`plan_run(cfg, device=, budget=)` reads config.json only. The step's activations are
-measured, not modelled: `memory.probe` runs the run's own model on the meta device under the
-live-tensor tracker (no memory, ~0.1 s a layer). Around that the planner adds what the probe
-does not hold: the weights at their storage dtype (NF4: 0.516 bytes a weight, blocksize 64
-with double-quantised absmax), the optimizer states, the moved checkpoints of activation
-offload, oneDNN's prepacked copies (CPU, float32), the process itself (CPU: its current RSS)
-and, under torchrun, DDP's gradient buckets and NCCL's buffers (an estimate).
+`plan_for_run(cfg, device, budget)` reads config.json (and an image-text model's image
+processor). The step's activations are measured, not modelled: `memory.probe` runs the run's
+own model on the meta device under the live-tensor tracker (no memory, ~0.1 s a layer); an
+image-text model's over the worst-case image micro-batch (memory/probe_images.py), the
+language model's shape read by its family from `text_config`. Around that the planner adds
+what the probe does not hold: the weights at their storage dtype (NF4: 0.516 bytes a
+weight, blocksize 64 with double-quantised absmax), the optimizer states, the moved
+checkpoints of activation offload, oneDNN's prepacked copies (CPU, float32), the process
+itself (CPU: its current RSS) and, under torchrun, DDP's gradient buckets and NCCL's
+buffers (an estimate).
 
 On CUDA the peak is what `torch.cuda.max_memory_allocated` would read; a device fits it when
 peak <= (total - 1 GiB for the CUDA context and cuBLAS workspace) * 0.97 (the caching
@@ -89,6 +92,9 @@ class PlanInputs:
     world: int
     sequence_parallel: int = 1  # ranks a micro-batch's tokens are split over
     implementation: str = "auto"  # model.implementation: auto | native | transformers
+    vision_tower: str = "frozen"  # image-text models: vision.tower, vision.projector
+    vision_projector: str = "frozen"
+    model_path: str | None = None  # model.path: the image processor (image-text models)
 
     @classmethod
     def from_config(cls, cfg, device: str, hf: dict[str, Any]) -> PlanInputs:
@@ -105,7 +111,8 @@ class PlanInputs:
             mode=t.activation_checkpointing, tiles=t.mlp_tiles,
             prepack=t.prepack and not t.compile and t.parallel != "fsdp",
             world=int(os.environ.get("WORLD_SIZE", "1")), sequence_parallel=t.sequence_parallel,
-            implementation=cfg.model.implementation,
+            implementation=cfg.model.implementation, vision_tower=cfg.vision.tower,
+            vision_projector=cfg.vision.projector, model_path=str(cfg.model.path),
         )  # fmt: skip
 
 
@@ -133,28 +140,69 @@ def _setup(inp: PlanInputs, mode: str, tiles: int):
         checkpointing="none" if mode == "none" else "recompute",
         tiles=tiles if tiles > 1 else None,
         half_attention_in_float32=inp.device == "cpu" and _cpu_upcasts(inp.dtype),
-        device=inp.device, implementation=inp.implementation,
+        device=inp.device, implementation=inp.implementation, vision_tower=inp.vision_tower,
+        vision_projector=inp.vision_projector,
     )  # fmt: skip
 
 
 def _probe(inp: PlanInputs, tokens: int, mode: str, tiles: int):
-    """The meta step's result, memoised per setting and length (a probe of an 8B model takes
-    ~2 s, its meta model as long to build)."""
+    """(the meta step's result, its image-side note or None), memoised per setting and length
+    (a probe of an 8B model takes ~2 s, its meta model as long to build). An image-text
+    model's step runs over the worst-case image micro-batch (memory/probe_images.py)."""
     from slipstream.memory.probe import meta_model, probe_step
 
     setup = _setup(inp, mode, tiles)
-    key = json.dumps([repr(v) for v in vars(setup).values()], sort_keys=True, default=str)
+    key = json.dumps([repr(v) for v in vars(setup).values()] + [inp.model_path], default=str)
     if key not in _PROBES and len(_PROBES) >= 16:  # a process planning many runs (tests)
         _PROBES.clear()
     cache = _PROBES.setdefault(key, {"model": None})
     if tokens not in cache:
         if cache["model"] is None:
             cache["model"] = meta_model(setup)
-        cache[tokens] = probe_step(setup, [tokens], model=cache["model"])
+        model, result, note = cache["model"], None, None
+        if getattr(model, "vision", None):
+            result, note = _image_probe(inp, setup, model, tokens)
+        cache[tokens] = result or probe_step(setup, [tokens], model=model), note
     return cache[tokens]
 
 
+def _image_probe(inp: PlanInputs, setup, model, tokens: int):
+    """(the meta step over the worst-case image micro-batch, its note); (None, why) when it
+    cannot run: the plan still covers the text side, and says what it leaves out."""
+    from slipstream.memory.probe import probe_step
+
+    try:
+        batch = _image_batch(inp.model_path, tokens)
+        if batch is None:
+            return None, "image side: no image fits the micro-batch; probed as text"
+        tower = inp.vision_tower
+        kept = "transient (no autograd state)" if tower == "frozen" else "saved for backward"
+        note = f"{batch.note}; vision.tower={tower}: its activations {kept}"
+        return probe_step(setup, [tokens], model=model, batch=batch), note
+    except Exception as e:  # a processor or tower the meta step cannot run
+        first = (str(e).splitlines() or [""])[0]
+        return None, (
+            "the vision tower's activations are NOT included (its meta step could not run: "
+            f"{type(e).__name__}: {first}); the plan covers the text side"
+        )
+
+
 _PROBES: dict[tuple, dict] = {}
+_IMAGE_SIDES: dict[str, Any] = {}  # model.path -> (ImageProcessing, tokenizer) or None
+
+
+def _image_batch(path: str | None, tokens: int):
+    """The worst-case image micro-batch of `tokens` (memory/probe_images.py), its processor
+    read once per checkpoint; a ValueError where the checkpoint has no image processor."""
+    from slipstream.memory.probe_images import image_side, worst_case_batch
+
+    if path is None:
+        raise ValueError("no model.path to read the image processor from")
+    if path not in _IMAGE_SIDES:
+        _IMAGE_SIDES[path] = image_side(path)
+    if _IMAGE_SIDES[path] is None:
+        raise ValueError(f"{path} has no preprocessor_config.json")
+    return worst_case_batch(*_IMAGE_SIDES[path], tokens)
 
 
 def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
@@ -164,7 +212,7 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
     import torch
 
     whole, tokens = tokens, -(-tokens // inp.sequence_parallel)
-    r = _probe(inp, tokens, mode, tiles)
+    r, image_note = _probe(inp, tokens, mode, tiles)
     act = torch.empty((), dtype=inp.dtype).element_size()
     checkpoint = tokens * r.hidden * act  # one layer's input
     grads = r.trainable_bytes
@@ -178,6 +226,8 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
         c["adapters"] = r.trainable_bytes
     c["gradients"] = grads
     c["optimizer states"] = _optimizer_bytes(inp.optimizer, r.trainable, r.trainable_bytes)
+    if r.inputs:
+        c["image inputs (pixels, tower metadata)"] = r.inputs
     if inp.device == "cpu" and inp.prepack and inp.dtype == torch.float32 and frozen:
         c["prepacked weights (oneDNN)"] = frozen
     activations = r.step_peak - grads
@@ -190,17 +240,17 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
         else:
             c["checkpoints (layer inputs)"] = kept + (2 * checkpoint if mode == "offload" else 0)
         activations -= kept
-    vocab = int(inp.hf["vocab_size"])
+    vocab = r.vocab
     chunk = min(tokens, max(1, (1 << 26) // vocab)) * vocab * 4
     c["loss chunk (float32 logits)"] = min(chunk, max(activations, 0))
     activations -= c["loss chunk (float32 logits)"]
-    heads, head_dim = _heads(inp.hf)
+    heads, head_dim = r.heads, r.head_dim
     attention = tokens * heads * (head_dim * act + 4)  # the kernel's output + float32 lse
     c["attention workspace"] = min(attention, max(activations, 0))
     activations -= c["attention workspace"]
     what = "activations" if mode == "none" else "activations (one layer's recompute + backward)"
     c[what] = activations
-    notes = []
+    notes = [image_note] if image_note else []
     # The optimizer step holds no activations but, on CPU, foreach AdamW's temporaries (one
     # copy of the trainable tensors: measured; CUDA's fused AdamW none): with full
     # fine-tuning of short batches that is the step's peak.
@@ -212,8 +262,7 @@ def estimate(inp: PlanInputs, tokens: int, mode: str, tiles: int) -> Plan:
         c["optimizer step temporaries (foreach AdamW)"] = temporaries
         notes.append("the peak is in the optimizer step, after backward freed the activations")
     if inp.quantization == "nf4":
-        F = int(inp.hf.get("intermediate_size") or 0)
-        c["NF4 dequantize workspace"] = F * r.hidden * act
+        c["NF4 dequantize workspace"] = r.intermediate * r.hidden * act
     if inp.world > 1:
         c["DDP buckets + NCCL buffers (estimate)"] = grads + NCCL_BUFFERS
     if inp.device == "cpu":
@@ -232,11 +281,6 @@ def _cpu_upcasts(dtype) -> bool:
     from slipstream.ops.attention import CPU_HALF_IN_FLOAT32
 
     return CPU_HALF_IN_FLOAT32 and dtype in (torch.bfloat16, torch.float16)
-
-
-def _heads(hf: dict[str, Any]) -> tuple[int, int]:
-    heads = int(hf["num_attention_heads"])
-    return heads, int(hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def _optimizer_bytes(kind: str, trainable: int, trainable_bytes: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ class ProbeSetup:
     half_attention_in_float32: bool = False  # CPU without AMX: bf16 SDPA upcast (attention.py)
     device: str = "cpu"  # the device planned for: which kernels the step would take
     implementation: str = "auto"  # model.implementation: native family or transformers' code
+    vision_tower: str = "frozen"  # image-text models: vision.tower frozen | lora | full
+    vision_projector: str = "frozen"  # and vision.projector
 
 
 @dataclass
@@ -57,6 +60,13 @@ class ProbeResult:
     step_peak: int  # most bytes alive during forward + backward beyond the parameters
     after_forward: int  # bytes alive when forward returned (saved activations, checkpoints)
     heap_held: int = 0  # freed blocks under glibc's mmap threshold held at the peak (CPU)
+    # The language model's shape, as its family reads config.json (an image-text model's
+    # from its text_config): the loss chunk, attention output and NF4 workspace are sized by it.
+    vocab: int = 0
+    heads: int = 0
+    head_dim: int = 0
+    intermediate: int = 0
+    inputs: int = 0  # bytes of the batch's image inputs (pixels, the tower's metadata)
 
 
 class _FlashStandIn(torch.autograd.Function):
@@ -149,15 +159,20 @@ def _meta_kernels(half_in_float32: bool, device: str):
 
 
 def meta_model(setup: ProbeSetup):
-    """The run's model on the meta device: LoRA (or all trainable), tiling, checkpointing."""
+    """The run's model on the meta device: the vision settings, LoRA (or all trainable),
+    tiling, checkpointing: train/setup.py's `build_model` order."""
     from slipstream.memory.offload import apply_checkpointing
     from slipstream.memory.tiled_mlp import apply_mlp_tiling
     from slipstream.models import family_for
+    from slipstream.peft.vision import vision_training
 
-    family = family_for(setup.hf.get("model_type"), "config.json", setup.implementation)
+    hf = setup.hf  # with its vision_config: Gemma 3 / 4, Qwen3.5 under transformers too
+    family = family_for(hf.get("model_type"), "config.json", setup.implementation, hf)
     cfg = family.config_from_hf(dict(setup.hf))
     with torch.device("meta"):
         model = family.build(cfg).to(setup.dtype)
+    vision = SimpleNamespace(tower=setup.vision_tower, projector=setup.vision_projector)
+    vision_training(model, vision, setup.method, before_lora=True)
     if setup.method == "lora":
         from slipstream.peft.lora import apply_lora
 
@@ -167,6 +182,7 @@ def meta_model(setup: ProbeSetup):
         )  # fmt: skip
     else:
         model.requires_grad_(True)
+    vision_training(model, vision, setup.method, before_lora=False)
     apply_mlp_tiling(model, setup.tiles)
     if setup.checkpointing != "none":
         apply_checkpointing(model, "recompute")
@@ -184,23 +200,29 @@ def frozen_linear_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def probe_step(setup: ProbeSetup, lengths: list[int], model=None) -> ProbeResult:
+def probe_step(setup: ProbeSetup, lengths: list[int], model=None, batch=None) -> ProbeResult:
     """One forward + backward of `model` (default `meta_model(setup)`) over a packed batch of
-    `lengths`, every position labelled; the tracker's bytes, parameters excluded."""
+    `lengths`, or over `batch` (memory/probe_images.py: a micro-batch with images), every
+    position labelled; the tracker's bytes, parameters excluded (the batch's inputs held)."""
     from slipstream.ops.packing import SeqInfo
 
     model = model if model is not None else meta_model(setup)
-    T = sum(lengths)
-    seq = SeqInfo.from_lengths(list(lengths), device="meta")
-    ids = torch.zeros(T, dtype=torch.long, device="meta")
-    positions = torch.zeros(T, dtype=torch.long, device="meta")
+    if batch is None:
+        seq = SeqInfo.from_lengths(list(lengths), device="meta")
+        ids, images, inputs = torch.zeros(sum(lengths), dtype=torch.long, device="meta"), None, []
+    else:
+        seq, ids, images = batch.seq, batch.ids, {"images": batch.images}
+        inputs = batch.tensors()
+    positions = torch.zeros(ids.shape[0], dtype=torch.long, device="meta")
     tensors = list(model.parameters()) + list(model.buffers())
-    held = tensors + [ids, positions, seq.position_ids]
+    held = tensors + [ids, positions, seq.position_ids] + inputs
     with (
         _meta_kernels(setup.half_attention_in_float32, setup.device),
         LiveTensors("meta", include=held, small_bytes=MMAP_THRESHOLD) as live,
     ):
-        loss = model.loss(ids, ids, seq, reduction="sum", label_positions=positions)
+        loss = model.loss(
+            ids, ids, seq, reduction="sum", label_positions=positions, **(images or {})
+        )
         after_forward = live.current - live.start
         loss.backward()
         del loss
@@ -215,4 +237,9 @@ def probe_step(setup: ProbeSetup, lengths: list[int], model=None) -> ProbeResult
         step_peak=live.peak - live.start,
         after_forward=after_forward,
         heap_held=live.heap_held,
+        vocab=model.config.vocab_size,
+        heads=model.config.num_attention_heads,
+        head_dim=model.config.head_dim,
+        intermediate=model.config.intermediate_size,
+        inputs=sum(t.numel() * t.element_size() for t in inputs),
     )
