@@ -94,6 +94,22 @@ def _sdpa_stand_in(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     return _FlashStandIn.apply(q, k, v)
 
 
+def _per_sequence_stand_in(real):
+    """ops/attention.py's `_sdpa_per_sequence` as one stand-in call where it has no window:
+    the sequences' outputs and lse add up to the whole batch's, and `torch.cat` of the outputs
+    is one more (T, H, Dh) copy; one Python call, not one a sequence (a Qwen2.5-VL-7B tower's
+    30,900 windows in a 16k-token image batch took 7.3 s of its probe's 9.5 s: `slipstream
+    plan` ran 10 minutes). A sliding window builds its (n, n) masks: the real call."""
+
+    def attend(q_THD, k_TGD, v_TGD, seq, window, scale, causal=True):
+        if window is not None:
+            return real(q_THD, k_TGD, v_TGD, seq, window, scale, causal)
+        heads_first = (x.transpose(0, 1)[None] for x in (q_THD, k_TGD, v_TGD))
+        return _FlashStandIn.apply(*heads_first)[0].clone().transpose(0, 1)
+
+    return attend
+
+
 class _GroupedStandIn(torch.autograd.Function):
     """`torch._grouped_mm` for float32 on meta (its meta kernel takes bf16 only): the output,
     then the input gradients, as the CPU kernel allocates them."""
@@ -143,7 +159,9 @@ def _meta_kernels(half_in_float32: bool, device: str):
     from slipstream.ops import attention, moe
 
     real = F.scaled_dot_product_attention, attention.CPU_HALF_IN_FLOAT32, moe._grouped_mm_supported
+    per_sequence = attention._sdpa_per_sequence
     F.scaled_dot_product_attention = _sdpa_stand_in
+    attention._sdpa_per_sequence = _per_sequence_stand_in(per_sequence)
     attention.CPU_HALF_IN_FLOAT32 = half_in_float32
     moe._grouped_mm_supported = _grouped_mm_on(device)
     grouped = getattr(torch, "_grouped_mm", None)
@@ -153,6 +171,7 @@ def _meta_kernels(half_in_float32: bool, device: str):
         yield
     finally:
         F.scaled_dot_product_attention, attention.CPU_HALF_IN_FLOAT32 = real[:2]
+        attention._sdpa_per_sequence = per_sequence
         moe._grouped_mm_supported = real[2]
         if grouped is not None:
             torch._grouped_mm = grouped
