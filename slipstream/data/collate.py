@@ -18,13 +18,7 @@ from collections.abc import Sequence
 
 from slipstream.data.labels import Example
 from slipstream.data.packed import IGNORE_INDEX, PackedBatch, PackedBuilder, target_spans
-from slipstream.data.vision import (
-    MROPE_FIELD,
-    ImageExample,
-    packed_image_spans,
-    packed_positions_3d,
-    put_images,
-)
+from slipstream.data.vision import ImageExample, put_images
 
 __all__ = ["IGNORE_INDEX", "Batch", "collate"]
 
@@ -45,12 +39,8 @@ def collate(examples: Sequence[Example]) -> Batch:
         if isinstance(ex, ImageExample):
             with_images.append((start, ex))
         start += len(ex.input_ids)
-    if with_images:
-        put_images(builder, with_images)
-        positions = packed_positions_3d(examples)
-        if positions is not None:
-            builder.put(MROPE_FIELD, positions)
+    spans = put_images(builder, with_images, examples) if with_images else ()
     batch = builder.build()
-    if with_images:  # Gemma 3: each image's rows see one another (ops/attention.py)
-        batch.seq.image_spans = packed_image_spans(with_images)
+    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
+        batch.seq.image_spans = spans
     return batch

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,9 @@ BIDIRECTIONAL_TYPES = ("gemma3", "gemma4")
 # Image processors that split an image into crops and say the grid only when asked.
 ROW_COL_TYPES = ("idefics3", "smolvlm")
 MROPE_FIELD = "mrope_position_ids"  # (3, T): the packed batch's 3-D positions
+# (R,) int64: which feature row each of `image_rows` takes, when sequences share their images
+# (a preference pair's chosen and rejected: the tower runs once a pair; models/common.py).
+FEATURE_INDEX = "image_feature_index"
 
 
 @dataclass
@@ -312,14 +315,31 @@ class ImageProcessing:
         ImageExample (no targets) that holds its model inputs: what `slipstream.generate`
         prefills."""
         messages, sources = vision_messages({"messages": messages})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        (ex,), processed = self._encode_texts([text], sources, tokenizer, targets=False)
+        return replace(ex, images=cat_inputs([inputs for inputs, _, _ in processed]))
+
+    def encode_rendered(
+        self, texts: list[str], sources: list[ImageSource], tokenizer: Any
+    ) -> list[ImageExample]:
+        """Texts the chat template rendered over the same images (`sources`, in part order;
+        a preference pair's prompt, prompt + chosen and prompt + rejected), each with its
+        placeholders expanded and tokenized, as ImageExamples that share those images: the
+        same sources, sizes and token counts; every token but the images' own is a target
+        (the caller picks which it scores). RowError for a bad row."""
+        return self._encode_texts(texts, sources, tokenizer, targets=True)[0]
+
+    def _encode_texts(self, texts, sources, tokenizer, targets: bool):
         images, sources = zip(*(s.read() for s in sources)) if sources else ((), ())
         processed = [self.process(image) for image in images]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        self._check_count(text, len(images))
-        expanded = self._expander([t for _, t, _ in processed])(text)
-        ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        ex = self._example(tokenizer, ids, [False] * len(ids), processed, sources)
-        return replace(ex, images=cat_inputs([inputs for inputs, _, _ in processed]))
+        expand = self._expander([t for _, t, _ in processed])
+        examples = []
+        for text in texts:
+            self._check_count(text, len(images))
+            ids = tokenizer(expand(text), add_special_tokens=False)["input_ids"]
+            trainable = [targets] * len(ids)  # _example takes the image tokens out
+            examples.append(self._example(tokenizer, ids, trainable, processed, sources))
+        return examples, processed
 
     def _check_count(self, text: str, images: int) -> None:
         if text.count(self.placeholder) != images:
@@ -381,6 +401,14 @@ class ImageProcessing:
         return self._sequence_ids[text]
 
 
+def run_image_side(model_path: str | None, tokenizer: Any) -> ImageProcessing | None:
+    """The image side of a run's checkpoint (`model.path`: a folder, hub id or built-in
+    name), or None: no path, or a text model."""
+    from slipstream.sources import resolve_model
+
+    return ImageProcessing.from_model(resolve_model(model_path), tokenizer) if model_path else None
+
+
 # Checkpoint folder -> the ImageProcessing built for it in this process (ImageExample's
 # `processing`); the last one built wins (the same files, the same processor).
 _BUILT: dict[str, ImageProcessing] = {}
@@ -426,14 +454,31 @@ def _config_json(folder: str, name: str = "config.json") -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def packed_images(examples: list[tuple[int, ImageExample]]) -> dict[str, Any]:
+def packed_images(
+    examples: list[tuple[int, ImageExample]], owners: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The image inputs of packed examples ((first token's position, example) each): every
-    model input concatenated in order, and `image_rows` (P,) int64, the packed positions
+    model input concatenated in order, and `image_rows` (R,) int64, the packed positions
     their features fill (a host scan: the model never looks for placeholder ids); Qwen-VL's
-    tower metadata over all the images (data/qwen_vit_meta.py: tensors and SeqInfos)."""
-    rows = [start + t for start, ex in examples for t in ex.feature_rows()]
+    tower metadata over all the images (data/qwen_vit_meta.py: tensors and SeqInfos).
+    `owners[k]`: the entry whose images entry k holds, k itself or an earlier entry with
+    the same images in the same rows (a preference pair's rejected sequence holds its chosen's
+    prompt): such images are processed and run through the tower once, and `image_feature_index`
+    (R,) says which feature row each image row takes."""
+    owners = list(range(len(examples))) if owners is None else list(owners)
+    rows, index, first, count = [], [], {}, 0  # first: an owner's first feature row
+    for k, ((start, ex), owner) in enumerate(zip(examples, owners, strict=True)):
+        mine = ex.feature_rows()
+        if owner == k:
+            first[k], count = count, count + len(mine)
+        assert len(mine) == len(examples[owner][1].feature_rows()), "shared images differ"
+        rows += [start + t for t in mine]
+        index += range(first[owner], first[owner] + len(mine))
     out: dict[str, Any] = {"image_rows": torch.tensor(rows, dtype=torch.int64)}
-    out.update(cat_inputs([ex.model_inputs() for _, ex in examples]))
+    if len(index) != count:
+        out[FEATURE_INDEX] = torch.tensor(index, dtype=torch.int64)
+    out.update(cat_inputs([ex.model_inputs() for k, (_, ex) in enumerate(examples)
+                           if owners[k] == k]))  # fmt: skip
     geometry = examples[0][1].tower
     if geometry is not None:  # host tensors from the image processor
         out.update(geometry.metadata(out))
@@ -476,10 +521,21 @@ def packed_image_spans(examples: list[tuple[int, ImageExample]]) -> tuple[tuple[
     )  # fmt: skip
 
 
-def put_images(builder: Any, examples: list[tuple[int, ImageExample]]) -> None:
-    """`packed_images` as whole-tensor fields of a batch being built."""
-    for name, tensor in packed_images(examples).items():
+def put_images(
+    builder: Any,
+    placed: list[tuple[int, ImageExample]],
+    sequences: Sequence[Any],
+    owners: Sequence[int] | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """The image fields of a batch being built from `placed` (`packed_images`, `owners`
+    included) and, for Qwen-VL, the 3-D positions of all its `sequences` (examples, or id
+    lists for text); -> the image spans for the built batch's `seq.image_spans`."""
+    for name, tensor in packed_images(placed, owners).items():
         builder.put(name, tensor)
+    positions = packed_positions_3d(sequences)
+    if positions is not None:
+        builder.put(MROPE_FIELD, positions)
+    return packed_image_spans(placed)
 
 
 def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -487,6 +543,6 @@ def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:
     or None without images."""
     if "image_rows" not in fields:
         return None
-    names = ("image_rows", MROPE_FIELD, *MODEL_INPUTS, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS,
-             *IDEFICS3_KEYS)  # fmt: skip
+    names = ("image_rows", FEATURE_INDEX, MROPE_FIELD, *MODEL_INPUTS, *VIT_KEYS, *PIXTRAL_KEYS,
+             *GEMMA4_KEYS, *IDEFICS3_KEYS)  # fmt: skip
     return {k: v for k, v in fields.items() if k in names}

@@ -432,19 +432,34 @@ def head_loss(
     return linear_cross_entropy(h_TD, weight_VD, labels_T, reduction=reduction, softcap=softcap)
 
 
+# data/vision.py FEATURE_INDEX: which feature row each image row takes, where sequences share
+# their images (a preference pair's chosen and rejected: one prompt, the tower run once).
+FEATURE_INDEX = "image_feature_index"
+
+
+def image_row_features(feats_PD: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
+    """(R, D): the feature row each of `images["image_rows"]` (R,) takes: the tower's rows in
+    order, or, when sequences of the batch share their images, gathered by the host-built
+    `images["image_feature_index"]` (R,) (an `index_select`: the rows' gradients add up in
+    the shared features, as two tower passes' would in the tower's weights)."""
+    index_R = images.get(FEATURE_INDEX)
+    return feats_PD if index_R is None else feats_PD.index_select(0, index_R)
+
+
 def write_image_features(
-    x_TD: torch.Tensor, feats_PD: torch.Tensor, rows_P: torch.Tensor
+    x_TD: torch.Tensor, feats_PD: torch.Tensor, images: dict[str, Any]
 ) -> torch.Tensor:
     """The embedding stage of an image-text model: the tower's feature rows written into the
     packed rows the collator found on the host (`images["image_rows"]`, data/vision.py) by
-    `index_copy`: no `input_ids == image_token_id` on the device, no boolean mask, no sync
-    (the check compares shapes)."""
-    if feats_PD.shape[0] != rows_P.shape[0]:
+    `index_copy` (through `image_row_features`): no `input_ids == image_token_id` on the
+    device, no boolean mask, no sync (the check compares shapes)."""
+    rows_R, feats_RD = images["image_rows"], image_row_features(feats_PD, images)
+    if feats_RD.shape[0] != rows_R.shape[0]:
         raise ValueError(
-            f"the vision tower gave {feats_PD.shape[0]} feature rows for {rows_P.shape[0]} "
+            f"the vision tower gave {feats_RD.shape[0]} feature rows for {rows_R.shape[0]} "
             "image tokens; the data's image processor does not match this model"
         )
-    return x_TD.index_copy(0, rows_P, feats_PD.to(x_TD.dtype))
+    return x_TD.index_copy(0, rows_R, feats_RD.to(x_TD.dtype))
 
 
 def _check_batch(input_ids_T: torch.Tensor, seq: SeqInfo) -> None:

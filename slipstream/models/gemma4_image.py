@@ -83,8 +83,7 @@ class Gemma4ImageTextLM(CausalLM):
         x_TD = self.model.embed_tokens(input_ids_T)
         if images is None:
             return x_TD
-        feats_QD, rows_Q = self.image_features(images), images["image_rows"]
-        return write_image_features(x_TD, feats_QD, rows_Q)
+        return write_image_features(x_TD, self.image_features(images), images)
 
     def _backbone_out(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: Any = None):
         if images is None:

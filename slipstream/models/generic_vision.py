@@ -33,7 +33,7 @@ from slipstream.data.pixtral_meta import PATCHES as PIXTRAL_PATCHES
 from slipstream.data.qwen_vit_meta import KEYS as VIT_KEYS
 from slipstream.data.qwen_vit_meta import VIT_TYPES
 from slipstream.models import gemma4_tower, generic, idefics3_tower, pixtral_tower
-from slipstream.models.common import write_image_features
+from slipstream.models.common import FEATURE_INDEX, image_row_features, write_image_features
 from slipstream.models.generic import GenericCausalLM, config_from_hf
 from slipstream.models.qwen_vit import QwenVisionTower
 from slipstream.models.spec import FamilySpec
@@ -102,10 +102,11 @@ class GenericImageTextLM(GenericCausalLM):
         if images is None:
             return x_TD
         feats_PD, deepstack = self._image_features(images)
-        rows_P = images["image_rows"]
+        rows_R = images["image_rows"]
         # Read by the deepstack hooks of this forward (and of its recompute in backward).
-        self._deepstack = (rows_P, deepstack) if deepstack else None
-        return write_image_features(x_TD, feats_PD, rows_P)
+        deepstack = [image_row_features(f, images) for f in deepstack]
+        self._deepstack = (rows_R, deepstack) if deepstack else None
+        return write_image_features(x_TD, feats_PD, images)
 
     def _backbone_out(self, input_ids_T, seq, images=None, **kwargs):
         """The language model over the packed stream; with Qwen-VL's host-built 3-D
@@ -151,7 +152,8 @@ class GenericImageTextLM(GenericCausalLM):
             inner = self.hf.model
             return idefics3_tower.image_features(inner.vision_model, inner.connector, images), []
         # slipstream's entries, not the model's
-        ours = ("image_rows", MROPE_FIELD, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS, *IDEFICS3_KEYS)
+        ours = ("image_rows", FEATURE_INDEX, MROPE_FIELD, *VIT_KEYS, *PIXTRAL_KEYS, *GEMMA4_KEYS,
+                *IDEFICS3_KEYS)  # fmt: skip
         kwargs = {k: v for k, v in images.items() if k not in ours}
         pixels = kwargs.pop("pixel_values")
         if self.config.model_type in CROPS:  # every crop its own "batch row" of one image

@@ -38,6 +38,7 @@ from slipstream.models.common import (
     CausalLM,
     ModelConfig,
     RMSNorm,
+    image_row_features,
     split_outputs,
     write_image_features,
 )
@@ -139,11 +140,12 @@ class ImageTextBackbone(Backbone):
         self.visual.reset_buffers()
 
     def embed(self, input_ids_T: torch.Tensor, images: dict[str, Any]):
-        """((T, D) embeddings with the image features in their rows, [deepstack (P, D)])."""
+        """((T, D) embeddings with the image features in their rows, [deepstack (R, D)]: each
+        image row's features)."""
         x_TD = self.embed_tokens(input_ids_T)
         feats_PD, deepstack = self.visual(images["pixel_values"], images)
-        rows_P = images[ROWS]
-        return write_image_features(x_TD, feats_PD, rows_P), deepstack
+        deepstack = [image_row_features(f, images) for f in deepstack]
+        return write_image_features(x_TD, feats_PD, images), deepstack
 
     def forward(self, input_ids_T: torch.Tensor, seq: SeqInfo, images: dict | None = None):
         """-> (h_TD after the final norm, the layers' extra outputs); `images`: the batch's

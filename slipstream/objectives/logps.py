@@ -23,10 +23,14 @@ def token_logps(
     seq,
     positions_N: torch.Tensor,
     temperature: float = 1.0,
+    images: dict | None = None,
 ) -> torch.Tensor:
     """log p(labels[t] | tokens <= t) at each scored position t: (N,) float32 (of logits /
-    temperature when given)."""
-    kwargs = {"temperature": temperature} if temperature != 1.0 else {}
+    temperature when given); `images`: the batch's image inputs (data/vision.py
+    `image_inputs`), for an image-text model."""
+    kwargs: dict = {"temperature": temperature} if temperature != 1.0 else {}
+    if images:
+        kwargs["images"] = images
     return -model.loss(
         input_ids_T, labels_T, seq, reduction="none", label_positions=positions_N, **kwargs
     )

@@ -25,9 +25,27 @@ A row missing a field, with a field of the wrong type, chosen equal to rejected,
 completion or a template error is counted under its reason and skipped (fatal with
 `strict`), as SFT rows are.
 
+Images (with an image-text checkpoint's `ImageProcessing`, data/vision.py): a conversational
+pair whose prompt has image parts, `{"type": "image"}` taking the row's `images` in order or
+inline values, as SFT's reader takes them (data/images.py `vision_messages`). The three texts
+(prompt with the generation prompt, prompt + chosen, prompt + rejected) are rendered by the
+chat template, their placeholders expanded to each image's token sequence by the checkpoint's
+rule and tokenized (`ImageProcessing.encode_rendered`); the prompt length is their common
+prefix as above, and every image token must lie inside it, so only completion tokens are
+scored and a `truncate` cut never reaches an image. The pair keeps both sequences as
+`ImageExample`s that share the prompt's image sources (no pixels: processed per batch, as in
+SFT). Skipped and counted as SFT counts image rows (`image_count`, `image_missing`,
+`image_unreadable`, `remote_image`, `unsupported_part`), plus `image_format` (images beside
+a standard pair of strings) and `completion_image` (an image part in chosen or rejected: a
+pair's images belong to its prompt); a row with images under a text checkpoint is
+`image_part`.
+
 Collated, a micro-batch of P pairs is 2P packed sequences, chosen then rejected of each pair
 (sequence 2i is pair i's chosen, 2i+1 its rejected), with the scored positions and each
-one's sequence index built on the host.
+one's sequence index built on the host. A pair with images adds the prompt's images once
+(`packed_images` with the rejected sequence owned by the chosen: one tower pass a pair, both
+sequences' image rows gather the same features through `image_feature_index`), each
+sequence's 3-D positions (Qwen-VL) and image spans (Gemma), as SFT's collator does.
 """
 
 from __future__ import annotations
@@ -40,8 +58,10 @@ from typing import Any
 import torch
 
 from slipstream.data.formats import text_content
-from slipstream.data.packed import PackedBuilder, PackedView, PerSpan, packed_field
+from slipstream.data.images import has_images, undecoded_images, vision_messages
+from slipstream.data.packed import PackedBuilder, PackedView, PerSpan, packed_field, target_spans
 from slipstream.data.rows import DataReport, Encoded, LengthLimit, RowError, encode_rows
+from slipstream.data.vision import ImageExample, ImageProcessing, put_images
 
 PAIR_COLUMNS = ("chosen", "rejected")
 
@@ -49,12 +69,15 @@ PAIR_COLUMNS = ("chosen", "rejected")
 @dataclass
 class PairExample:
     """One pair: the two token sequences (prompt + completion) and the prompt's length,
-    which is the same in both (the completion starts at `prompt_len`)."""
+    which is the same in both (the completion starts at `prompt_len`). A pair whose prompt
+    has images keeps both sequences as ImageExamples (`images`: chosen's, rejected's; their
+    ids are `chosen` and `rejected`) that share the prompt's images."""
 
     chosen: list[int]
     rejected: list[int]
     prompt_len: int
     ref: tuple[float, float] | None = None  # reference log-probs, when precomputed
+    images: tuple[ImageExample, ImageExample] | None = None
 
     def __len__(self) -> int:
         return len(self.chosen) + len(self.rejected)
@@ -63,7 +86,12 @@ class PairExample:
         return max(len(self.chosen), len(self.rejected))
 
     def cut(self, max_tokens: int) -> PairExample:
-        return PairExample(self.chosen[:max_tokens], self.rejected[:max_tokens], self.prompt_len)
+        if self.images is None:
+            cut = self.chosen[:max_tokens], self.rejected[:max_tokens]
+            return PairExample(*cut, self.prompt_len)
+        # Every image token is in the prompt, which the limit keeps whole (LengthLimit).
+        c, r = (ex.truncated(max_tokens) for ex in self.images)
+        return PairExample(c.input_ids, r.input_ids, self.prompt_len, images=(c, r))
 
     def counts(self) -> tuple[int, int]:
         return len(self), len(self) - 2 * self.prompt_len
@@ -84,7 +112,9 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping)
 
 
-def _check_field(row: Mapping[str, Any], key: str) -> Any:
+def _check_field(row: Mapping[str, Any], key: str, keep_parts: bool = False) -> Any:
+    """A field checked: a string, or messages with their text parts joined (`keep_parts`:
+    content lists kept as they are, for the image reader)."""
     value = row.get(key)
     if value is None:
         raise RowError("missing_field", f"no {key!r}")
@@ -97,6 +127,9 @@ def _check_field(row: Mapping[str, Any], key: str) -> Any:
                 raise RowError("wrong_type", f"{key!r} message {i} has no 'role' string")
             if not isinstance(m.get("content"), (str, list)):
                 raise RowError("wrong_type", f"{key!r} message {i} has no 'content' string")
+            if keep_parts:
+                messages.append(dict(m))
+                continue
             try:  # text parts joined (data/formats.py); an image part is its own skip reason
                 messages.append({**m, "content": text_content(m["content"], f"message {i}")})
             except RowError as e:
@@ -118,11 +151,14 @@ def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def parse_pair_row(row: Mapping[str, Any], eos_token: str | None) -> tuple[Any, Any, Any, dict]:
-    """(prompt, chosen, rejected, template kwargs) of one row, checked; RowError if bad."""
-    chosen, rejected = _check_field(row, "chosen"), _check_field(row, "rejected")
+def parse_pair_row(
+    row: Mapping[str, Any], eos_token: str | None, keep_parts: bool = False
+) -> tuple[Any, Any, Any, dict]:
+    """(prompt, chosen, rejected, template kwargs) of one row, checked; RowError if bad.
+    `keep_parts`: messages keep their content parts (an image pair, `encode_image_pair`)."""
+    chosen, rejected = (_check_field(row, k, keep_parts) for k in PAIR_COLUMNS)
     if "prompt" in row:
-        prompt = _check_field(row, "prompt")
+        prompt = _check_field(row, "prompt", keep_parts)
     else:
         if type(chosen) is not type(rejected):
             raise RowError("mixed_formats", "chosen and rejected are of different kinds")
@@ -152,11 +188,18 @@ def token_ids(
     the chat template, as TRL's `_tokenize`; a template's error is RowError template_error."""
     if isinstance(content, str):
         return list(tokenizer(text=content)["input_ids"])
+    out = _template(tokenizer, content, kwargs, generation_prompt, tokenize=True)
+    return list(out["input_ids"])
+
+
+def _template(tokenizer: Any, messages: list, kwargs: dict, generation_prompt: bool,
+              tokenize: bool) -> Any:  # fmt: skip
+    """The chat template over `messages` (its ids, or its text); RowError template_error."""
     try:
-        out = tokenizer.apply_chat_template(
-            content,
-            tokenize=True,
-            return_dict=True,
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=tokenize,
+            return_dict=tokenize,
             add_generation_prompt=generation_prompt,
             **kwargs,
         )
@@ -165,7 +208,6 @@ def token_ids(
             raise
         first_line = str(e).splitlines()[0] if str(e) else repr(e)
         raise RowError("template_error", first_line) from None
-    return list(out["input_ids"])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -189,6 +231,56 @@ def encode_pair(tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
     return PairExample(chosen_ids, rejected_ids, prompt_len)
 
 
+def pair_has_images(row: Mapping[str, Any]) -> bool:
+    """Whether a pair row carries images: a non-empty `images` column or an image part."""
+    return bool(row.get("images")) or any(
+        has_images({"messages": row.get(k)}) for k in ("prompt", *PAIR_COLUMNS)
+    )
+
+
+def _completion_text(messages: list[dict], key: str) -> list[dict]:
+    """Chosen's or rejected's messages with their text parts joined; RowError
+    completion_image for an image part (a pair's images belong to its prompt)."""
+    out = []
+    for i, m in enumerate(messages):
+        try:
+            out.append({**m, "content": text_content(m["content"], f"message {i}")})
+        except RowError as e:
+            if e.reason != "image_part":
+                raise RowError(e.reason, f"{key!r} {e.detail}") from None
+            raise RowError(
+                "completion_image", f"{key!r} message {i} has an image; put a pair's images "
+                "in its prompt"
+            ) from None  # fmt: skip
+    return out
+
+
+def encode_image_pair(side: ImageProcessing, tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
+    """A pair whose prompt has images (module docstring), as TRL's DPOTrainer tokenizes a
+    vision pair: the template's texts with each image's token sequence in place of its
+    placeholder."""
+    prompt, chosen, rejected, kwargs = parse_pair_row(row, tokenizer.eos_token, keep_parts=True)
+    if not isinstance(chosen, list):
+        raise RowError(
+            "image_format", "images beside a pair of strings; give conversational prompt "
+            "messages with image parts"
+        )  # fmt: skip
+    chosen, rejected = _completion_text(chosen, "chosen"), _completion_text(rejected, "rejected")
+    messages, sources = vision_messages({"messages": prompt, "images": row.get("images")})
+    texts = [_template(tokenizer, messages, kwargs, True, tokenize=False)]
+    texts += [_template(tokenizer, messages + c, kwargs, False, tokenize=False)
+              for c in (chosen, rejected)]  # fmt: skip
+    prompt_ex, chosen_ex, rejected_ex = side.encode_rendered(texts, sources, tokenizer)
+    prompt_ids, c_ids, r_ids = prompt_ex.input_ids, chosen_ex.input_ids, rejected_ex.input_ids
+    prompt_len = min(common_prefix(prompt_ids, c_ids), common_prefix(prompt_ids, r_ids))
+    if prompt_len == len(c_ids) or prompt_len == len(r_ids):
+        raise RowError("empty", "chosen or rejected has no tokens after the prompt")
+    if any(rows and rows[-1] >= prompt_len for rows in (chosen_ex.feature_rows(),
+                                                        rejected_ex.feature_rows())):  # fmt: skip
+        raise RowError("template_error", "the template puts an image after the shared prompt")
+    return PairExample(c_ids, r_ids, prompt_len, images=(chosen_ex, rejected_ex))
+
+
 def tokenize_pairs(
     rows: Any,
     tokenizer: Any,
@@ -197,12 +289,20 @@ def tokenize_pairs(
     overlong: str = "drop",
     strict: bool = False,
     first_row: int = 0,
+    images: ImageProcessing | None = None,
 ) -> tuple[list[PairExample], DataReport]:
-    """Tokenize preference rows (a `datasets.Dataset` or list of dicts); every skip counted."""
+    """Tokenize preference rows (a `datasets.Dataset` or list of dicts); every skip counted.
+    `images`: the checkpoint's image side (data/vision.py), which reads pairs with images."""
     report, limit = DataReport(rows=len(rows)), LengthLimit(max_tokens, overlong)
+    if images is not None:  # examples keep datasets.Image cells' bytes, not decoded pixels
+        rows = undecoded_images(rows)
 
     def encode(row: Mapping[str, Any], index: int) -> Encoded:
         row = {k: v for k, v in row.items() if v is not None or k in PAIR_COLUMNS}
+        if images is not None and pair_has_images(row):
+            return limit.encoded(encode_image_pair(images, tokenizer, row), report)
+        if row.get("images"):
+            raise RowError("image_part", "the row has images: image pairs need a vision model")
         return limit.encoded(encode_pair(tokenizer, row), report)
 
     examples = encode_rows(rows, encode, report, strict, first_row)
@@ -243,15 +343,35 @@ def collate_pairs(
     if ref_logps is not None:
         fields["ref_logps"] = ("sequence", torch.float32)
     builder = PackedBuilder(**fields)
-    num_chosen = 0
+    num_chosen, start = 0, 0
+    placed, owners, sequences = [], [], []  # the image sequences, (start, ImageExample) each
     for i, ex in enumerate(examples):
         for j, seq_ids in enumerate((ex.chosen, ex.rejected)):
             p, n, prompt = ex.prompt_len, len(seq_ids), score_prompt and j == 0
             extra = {"ref_logps": ref_logps[i][j]} if ref_logps is not None else {}
+            # ORPO's prompt tokens, an image's own tokens left out (never targets)
+            spans = _prompt_spans(ex) if prompt else []
             scored = builder.add(
-                seq_ids, [(1, p), (p, n)] if prompt else [(p, n)],
-                segments=PerSpan((2 * P + i, 2 * i + j)) if prompt else 2 * i + j,
+                seq_ids, [*spans, (p, n)],
+                segments=PerSpan((*[2 * P + i] * len(spans), 2 * i + j)),
                 completion_tokens=float(n - p), **extra,
             )  # fmt: skip
             num_chosen += scored if j == 0 else 0
-    return PairBatch(builder.build(), P, num_chosen)
+            if ex.images is not None:  # the rejected's images are its chosen's
+                owners.append(len(placed) - j)
+                placed.append((start, ex.images[j]))
+            sequences.append(ex.images[j] if ex.images is not None else seq_ids)
+            start += n
+    spans = put_images(builder, placed, sequences, owners) if placed else ()
+    batch = builder.build()
+    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
+        batch.seq.image_spans = spans
+    return PairBatch(batch, P, num_chosen)
+
+
+def _prompt_spans(ex: PairExample) -> list[tuple[int, int]]:
+    """The chosen prompt's scored spans (ORPO): every prompt token after the first, an image's
+    own tokens (placeholders, begin/end markers) left out."""
+    if ex.images is None:
+        return [(1, ex.prompt_len)]
+    return target_spans(ex.images[0].trainable[: ex.prompt_len])

@@ -11,8 +11,9 @@ ref = the reference policy's s, beta, gamma and eps = label_smoothing from the c
 - SimPO: z = a_c - a_r - gamma/beta; -(1-eps) logsigmoid(beta z) - eps logsigmoid(-beta z);
   rewards beta*a; no reference.
 - ORPO: log-odds o = (a_c - a_r) - (log(1-e^a_c) - log(1-e^a_r)); per pair -beta logsigmoid(o),
-  plus the chosen sequences' NLL over *every* token, prompt included (as TRL's ORPOTrainer),
-  token-averaged over the micro-batch; rewards beta*a; no reference.
+  plus the chosen sequences' NLL over *every* token, prompt included (as TRL's ORPOTrainer;
+  with images, an image's own tokens are left out: they are never targets, and TRL's ORPO
+  reads no images), token-averaged over the micro-batch; rewards beta*a; no reference.
 
 The trainer normalises by pairs (`weight`): a micro-batch returns the sum over its pairs, so
 grad-accum and torchrun equal one big batch for DPO and SimPO exactly; ORPO's NLL term enters
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.data.rows import row_columns
+from slipstream.data.vision import image_inputs, run_image_side
 from slipstream.objectives.base import HookContext, Objective
 from slipstream.objectives.logps import segment_sums, token_logps
 from slipstream.objectives.pairs import PairExample, check_pair_columns, collate_pairs
@@ -146,6 +148,7 @@ class PairObjective(Objective):
             p = PreferenceSection.from_options(type(self).__name__, options)
             self.data_options: dict[str, Any] = {"max_tokens": 1 << 30}
             self.full = self.from_adapter = False
+            self.model_path = None
         else:
             p, d, t = cfg.preference, cfg.data, cfg.train
             # Each sequence of a pair within max_tokens; both together within the batch budget.
@@ -155,6 +158,7 @@ class PairObjective(Objective):
             )  # fmt: skip
             self.full = cfg.train.finetune == "full"
             self.from_adapter = cfg.model.adapter is not None
+            self.model_path = cfg.model.path
         self.options = p
         self.beta, self.label_smoothing, self.gamma = p.beta, p.label_smoothing, p.simpo_gamma
 
@@ -190,7 +194,16 @@ class PairObjective(Objective):
 
         columns = row_columns(rows)
         check_pair_columns(columns, self.name)
-        return tokenize_pairs(rows, tokenizer, first_row=first_row, **self.data_options)
+        images = self._images(tokenizer)
+        return tokenize_pairs(
+            rows, tokenizer, first_row=first_row, images=images, **self.data_options
+        )
+
+    def _images(self, tokenizer: Any) -> Any:
+        """The checkpoint's image side (None for a text model), built once."""
+        if not hasattr(self, "_image_side"):
+            self._image_side = run_image_side(self.model_path, tokenizer)
+        return self._image_side
 
     def length(self, example: PairExample) -> int:
         return len(example)
@@ -207,8 +220,11 @@ class PairObjective(Objective):
     # -- loss ---------------------------------------------------------------------------
     def sequence_logps(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """(3P,) summed log-probs: completion of each sequence (2P), then each pair's
-        chosen prompt (P; scored for ORPO only)."""
-        tok_N = token_logps(model, batch.input_ids, batch.labels, batch.seq, batch.positions)
+        chosen prompt (P; scored for ORPO only). Pairs with images: the tower runs once a
+        pair (objectives/pairs.py)."""
+        images = image_inputs(batch.packed.fields)
+        tok_N = token_logps(model, batch.input_ids, batch.labels, batch.seq, batch.positions,
+                            images=images)  # fmt: skip
         return segment_sums(tok_N, batch.segments, 3 * batch.num_pairs)
 
     def reference_logps(self, batch: Any) -> torch.Tensor:

@@ -53,11 +53,9 @@ class SFT(Objective):
     def _images(self, tokenizer: Any) -> Any:
         """The checkpoint's image side (None for a text model), built once."""
         if not hasattr(self, "_image_side"):
-            from slipstream.data.vision import ImageProcessing
-            from slipstream.sources import resolve_model
+            from slipstream.data.vision import run_image_side
 
-            path = getattr(self, "model_path", None)
-            self._image_side = path and ImageProcessing.from_model(resolve_model(path), tokenizer)
+            self._image_side = run_image_side(getattr(self, "model_path", None), tokenizer)
         return self._image_side
 
     def length(self, example: Any) -> int:

@@ -119,8 +119,12 @@ def image_implementation(cfg: RunConfig, examples: list) -> str | None:
     from slipstream.checkpoint.model_type import model_config
     from slipstream.data.vision import ImageExample
     from slipstream.models import image_text_implementation
+    from slipstream.objectives.pairs import PairExample
 
-    if cfg.model.implementation != "auto" or not any(isinstance(e, ImageExample) for e in examples):
+    def images(e: Any) -> bool:  # an image row, or a preference pair with images
+        return isinstance(e, ImageExample) or isinstance(e, PairExample) and e.images is not None
+
+    if cfg.model.implementation != "auto" or not any(images(e) for e in examples):
         return None
     implementation = image_text_implementation(model_config(cfg.model.path))
     return None if implementation == "auto" else implementation
