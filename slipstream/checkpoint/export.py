@@ -1,8 +1,9 @@
 """Merged export: fold the LoRA deltas into the base weights and write a plain HF checkpoint.
 
-A QLoRA base is first dequantised (to the compute dtype) and
-never re-quantised, so the merged model is a full-precision checkpoint that `transformers`
-loads unchanged. What was done is written beside it in `export_summary.json`.
+A QLoRA base is first dequantised (to the compute dtype) and never re-quantised (an FP8
+base was dequantised while it loaded: checkpoint/fp8.py), so the merged model is a
+full-precision checkpoint that `transformers` loads unchanged. What was done is written
+beside it in `export_summary.json`.
 
 The text model of a multimodal checkpoint (Gemma 3 4B+) exports as that multimodal model:
 save_model copies the vision tower, the projector and the image processor's files from the
@@ -130,6 +131,10 @@ def _write_export(model: CausalLM, out: Path, tokenizer: Any) -> None:
             else f"no LoRA to merge: the {dtype} weights as they are."
         ),
     }
+    fp8 = getattr(model, "base_quantization", None)  # checkpoint/fp8.py: dequantised at load
+    if fp8:
+        summary["base_dequantized_from_fp8"] = fp8
+        summary["note"] = f"base was {fp8}, not re-quantised; " + summary["note"]
     if copied:
         summary["copied_from_source"] = {
             "checkpoint": str(model.checkpoint_path),

@@ -26,6 +26,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slipstream.checkpoint.atomic import atomic_write, atomic_write_text
+from slipstream.checkpoint.fp8 import (
+    check_fp8_tensors,
+    check_quantization,
+    dequantized,
+    safetensors_headers,
+    without_quantization,
+)
 from slipstream.checkpoint.hf_config import current_config, generation_config
 from slipstream.hub import hub_error, hub_files_only
 from slipstream.models import choose_family, family_spec, weight_map
@@ -189,6 +196,12 @@ def _load(
     from slipstream.peft import qlora
 
     where = f"{source}/config.json"
+    fp8 = check_quantization(hf, where)
+    if fp8 is not None:  # checked from the headers before a weight loads; dequantised as read
+        count = check_fp8_tensors(safetensors_headers(folder, _safetensors_files(folder)), fp8,
+                                  source)  # fmt: skip
+        hf = without_quantization(hf)
+        tensors = dequantized(tensors, dtype, device, source)
     name, why = choose_family(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     family = family_spec(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     if family.load is not None:
@@ -198,6 +211,7 @@ def _load(
         model = family.load(hf, folder, dtype, device, quantize, source, trust_remote_code)
         model.load_path = f"{hf.get('model_type')}: {why}"
         model.checkpoint_path = Path(source)
+        model.base_quantization = _dequantized_from(fp8, count, dtype) if fp8 else None
         return model
     cfg = family.config_from_hf(hf)
     weights = family.weights(cfg)
@@ -217,7 +231,13 @@ def _load(
         raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
     model.checkpoint_path = Path(source)  # where save_model finds the tensors it passes through
     model.load_path = f"{hf.get('model_type')}: {why}"
+    model.base_quantization = _dequantized_from(fp8, count, dtype) if fp8 else None
     return model
+
+
+def _dequantized_from(fp8, count: int, dtype: torch.dtype) -> str:
+    """What an export says of an FP8 base (checkpoint/export.py)."""
+    return f"{fp8.describe()}: {count} weights dequantised to {str(dtype).removeprefix('torch.')}"
 
 
 @torch.no_grad()
@@ -277,7 +297,10 @@ def hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         )
     for name, t in state:
         yield to_hf_name(name, layout), t
-    yield from _safetensors_tensors(folder, only=set(others))
+    copied = _safetensors_tensors(folder, only=set(others))
+    if getattr(model, "base_quantization", None):  # an FP8 vision tower: as the model's dtype
+        copied = dequantized(copied, next(model.parameters()).dtype, source=str(folder))
+    yield from copied
 
 
 def passthrough_names(model: CausalLM) -> list[str]:

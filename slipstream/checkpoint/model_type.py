@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from slipstream.checkpoint.fp8 import check_quantization
 from slipstream.models import check_model_type
 from slipstream.sources import gguf_header_string, is_hub_id, resolve_model
 
@@ -29,6 +30,7 @@ def check_model_source(
     model_type, where = found
     hf = _config_dict(source, what)
     why = check_model_type(model_type, where, implementation, hf, trust_remote_code)
+    check_quantization(hf or {}, where)  # a quantization we cannot load, said before it loads
     return f"{model_type}: {why}"
 
 

@@ -139,6 +139,7 @@ def load(
         if hf.get("tie_word_embeddings") and not config.tie_word_embeddings:
             config.tie_word_embeddings = True  # no LM head in the folder (load_with_head's)
         kwargs = _implementations(config)
+        dequantize_fp8(config, quantize, source)
         if quantize == "nf4" and getattr(config, "quantization_config", None) is None:
             kwargs["quantization_config"] = nf4_config(config, dtype, decoder_of, trust_remote_code)
         model = (auto_class or AutoModelForCausalLM).from_pretrained(
@@ -150,6 +151,23 @@ def load(
         raise ValueError(f"{source}: transformers cannot load this checkpoint: {first}") from None
     one_cpu_path(model)
     return (wrapper or GenericCausalLM)(cfg, model)
+
+
+def dequantize_fp8(config, quantize: str | None, source: str) -> None:
+    """An FP8 checkpoint (checkpoint/fp8.py) loads dequantised to the model's dtype on every
+    device: transformers' FP8 quantizer with `dequantize=True` (by default it keeps FP8
+    weights and FP8 matmuls on a CUDA GPU, and dequantises only without one)."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return
+    if quantize == "nf4":
+        raise ValueError(
+            f"{source}: model.quantization=nf4 on an FP8 checkpoint runs on native families "
+            f"only, not on transformers' modeling code ({config.model_type}); use "
+            "model.quantization=none (the FP8 weights load dequantised)."
+        )
+    config.quantization_config = {**qc, "dequantize": True}
 
 
 def _implementations(config) -> dict[str, str]:
