@@ -159,7 +159,7 @@ def _numel(shape) -> int:
 def dequantize_fp8(q, scale_inv, dtype, device=None):
     """w = q.float() * scale_inv over its blocks, rounded once to `dtype`: q (..., R, C) any
     float8, scale_inv (..., R/bm, C/bn) (or one value), on `device` (default q's). Computed a
-    few block rows at a time (CHUNK): float32 scratch of 64 MB at most."""
+    few block rows at a time (CHUNK): one float32 scratch of 64 MB at most."""
     import math
 
     import torch
@@ -179,7 +179,7 @@ def dequantize_fp8(q, scale_inv, dtype, device=None):
     step = max(1, CHUNK // (bm * cols))
     for g in range(0, q_Gbcn.shape[0], step):
         block = q_Gbcn[g : g + step].to(device).to(torch.float32)
-        out_Gbcn[g : g + step] = block * s_Gc[g : g + step, None, :, None]
+        out_Gbcn[g : g + step] = block.mul_(s_Gc[g : g + step, None, :, None])
     return out
 
 
