@@ -213,19 +213,8 @@ def test_packed_pairs_equal_each_alone_without_host_syncs(qwen):
     pairs, _ = tokenize_pairs([*ROWS, TEXT_ROW], tok, max_tokens=1 << 20, images=side)
     assert [p.images is not None for p in pairs] == [True, True, False]
     objective = _dpo(model)
-    batch = objective.collate(pairs)
     model.zero_grad()
-    with slipstream.count_syncs() as syncs:
-        loss_sum, metrics = objective.micro_batch_loss(model, batch)
-        loss_sum.backward()
-    assert syncs.total == 0, syncs
-    with torch.no_grad():
-        alone = [objective.micro_batch_loss(model, objective.collate([p])) for p in pairs]
-    torch.testing.assert_close(loss_sum.detach(), sum(loss for loss, _ in alone), rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
-    for key in ("logps/chosen", "logps/rejected", "rewards/margins"):
-        torch.testing.assert_close(metrics[key], sum(m[key] for _, m in alone), rtol=1e-5,
-                                   atol=1e-5)  # fmt: skip
+    batch, loss_sum, _ = _packed_step_equals_each_alone(objective, model, pairs)
     # The reference precomputed once (attach) gives the live reference's loss.
     pre = pair_objective("dpo", beta=BETA, reference="base", precompute_reference=True)
     data = SimpleNamespace(train=pairs, train_batches=[[0, 1], [2]], eval=[], eval_batches=[])
@@ -261,7 +250,13 @@ def test_every_type_packs_image_pairs_as_each_alone(tmp_path, spec):
     if how != "auto":
         assert ("native family" in model.load_path) == (how == "native"), model.load_path
     pairs, _ = tokenize_pairs([*ROWS, TEXT_ROW], tok, max_tokens=1 << 20, images=side)
-    objective = _dpo(model)
+    _, _, metrics = _packed_step_equals_each_alone(_dpo(model), model, pairs)
+    assert abs(metrics["rewards/margins"].item()) > 1e-3
+
+
+def _packed_step_equals_each_alone(objective, model, pairs):
+    """A LoRA step over the packed pairs (0 host syncs, backward run): its loss and log-prob
+    and margin sums equal each pair's alone -> (batch, loss sum, metrics)."""
     batch = objective.collate(pairs)
     with slipstream.count_syncs() as syncs:
         loss_sum, metrics = objective.micro_batch_loss(model, batch)
@@ -271,10 +266,10 @@ def test_every_type_packs_image_pairs_as_each_alone(tmp_path, spec):
         alone = [objective.micro_batch_loss(model, objective.collate([p])) for p in pairs]
     torch.testing.assert_close(loss_sum.detach(), sum(loss for loss, _ in alone), rtol=1e-5,
                                atol=1e-6)  # fmt: skip
-    for key in ("logps/chosen", "logps/rejected"):
+    for key in ("logps/chosen", "logps/rejected", "rewards/margins"):
         torch.testing.assert_close(metrics[key], sum(m[key] for _, m in alone), rtol=1e-5,
                                    atol=1e-5)  # fmt: skip
-    assert abs(metrics["rewards/margins"].item()) > 1e-3
+    return batch, loss_sum, metrics
 
 
 # -- ORPO and SimPO -----------------------------------------------------------------------
