@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from slipstream.data.vision import run_image_side
 from slipstream.objectives.base import Objective
 from slipstream.objectives.kto_data import KTOExample, collate_kto, tokenize_kto
 from slipstream.objectives.logps import segment_sums, token_logps
@@ -86,6 +87,7 @@ class KTO(Objective):
         desirable_weight, undesirable_weight, loss_type, max_tokens, overlong)."""
         self.reference = None  # set by attach(): a ReferencePolicy
         self.full = self.from_adapter = False
+        self.model_path = options.get("model_path")  # its image side reads image rows
         if cfg is None:
             k = options
             self.max_tokens = options.get("max_tokens", 1 << 30)
@@ -99,6 +101,7 @@ class KTO(Objective):
                                      strict=d.strict)  # fmt: skip
             self.full = cfg.train.finetune == "full"
             self.from_adapter = cfg.model.adapter is not None
+            self.model_path = cfg.model.path
         self.beta = k.get("beta", 0.1)
         self.desirable_weight = k.get("desirable_weight", 1.0)
         self.undesirable_weight = k.get("undesirable_weight", 1.0)
@@ -113,7 +116,10 @@ class KTO(Objective):
 
     # -- data ---------------------------------------------------------------------------
     def tokenize(self, rows: Any, tokenizer: Any, first_row: int = 0) -> tuple[list, Any]:
-        return tokenize_kto(rows, tokenizer, first_row=first_row, **self.data_options)
+        if not hasattr(self, "_image_side"):  # the checkpoint's (None for a text model), once
+            self._image_side = run_image_side(self.model_path, tokenizer)
+        return tokenize_kto(rows, tokenizer, first_row=first_row, images=self._image_side,
+                            **self.data_options)  # fmt: skip
 
     def length(self, example: KTOExample) -> int:
         return 2 * len(example) if self.with_kl else len(example)  # + its share of KL tokens
@@ -128,7 +134,8 @@ class KTO(Objective):
     @staticmethod
     def sequence_logps(model: torch.nn.Module, stream: Any, n: int) -> torch.Tensor:
         """(n,) summed completion log-probs of a stream's sequences."""
-        tok = token_logps(model, stream.input_ids, stream.labels, stream.seq, stream.positions)
+        tok = token_logps(model, stream.input_ids, stream.labels, stream.seq, stream.positions,
+                          images=stream.images)  # fmt: skip
         return segment_sums(tok, stream.segments, n)
 
     def micro_batch_loss(
@@ -138,9 +145,10 @@ class KTO(Objective):
         if self.reference is None:
             raise RuntimeError("KTO needs a reference policy: call attach() first")
         n, main = batch.num_examples, batch.main
+        images = {"images": main.images} if main.images is not None else {}
         nll_N, stats = model.loss(
             main.input_ids, main.labels, main.seq, reduction="none",
-            label_positions=main.positions, return_parts=True,
+            label_positions=main.positions, return_parts=True, **images,
         )  # fmt: skip
         logps = segment_sums(-nll_N, main.segments, n)
         kl = torch.zeros((), device=logps.device)

@@ -231,11 +231,12 @@ def encode_pair(tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
     return PairExample(chosen_ids, rejected_ids, prompt_len)
 
 
-def pair_has_images(row: Mapping[str, Any]) -> bool:
-    """Whether a pair row carries images: a non-empty `images` column or an image part."""
-    return bool(row.get("images")) or any(
-        has_images({"messages": row.get(k)}) for k in ("prompt", *PAIR_COLUMNS)
-    )
+def pair_has_images(
+    row: Mapping[str, Any], keys: Sequence[str] = ("prompt", *PAIR_COLUMNS)
+) -> bool:
+    """Whether a row carries images: a non-empty `images` column or an image part in one of
+    its message fields `keys` (KTO's: prompt, completion)."""
+    return bool(row.get("images")) or any(has_images({"messages": row.get(k)}) for k in keys)
 
 
 def _completion_text(messages: list[dict], key: str) -> list[dict]:
@@ -249,36 +250,58 @@ def _completion_text(messages: list[dict], key: str) -> list[dict]:
             if e.reason != "image_part":
                 raise RowError(e.reason, f"{key!r} {e.detail}") from None
             raise RowError(
-                "completion_image", f"{key!r} message {i} has an image; put a pair's images "
+                "completion_image", f"{key!r} message {i} has an image; put a row's images "
                 "in its prompt"
             ) from None  # fmt: skip
     return out
 
 
-def encode_image_pair(side: ImageProcessing, tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
-    """A pair whose prompt has images (module docstring), as TRL's DPOTrainer tokenizes a
-    vision pair: the template's texts with each image's token sequence in place of its
-    placeholder."""
-    prompt, chosen, rejected, kwargs = parse_pair_row(row, tokenizer.eos_token, keep_parts=True)
-    if not isinstance(chosen, list):
+def encode_image_completions(
+    side: ImageProcessing,
+    tokenizer: Any,
+    row: Mapping[str, Any],
+    prompt: Any,
+    completions: Mapping[str, Any],
+    kwargs: dict,
+) -> tuple[list[int], list[ImageExample]]:
+    """(the prompt's ids, prompt + each completion as an ImageExample) of a row whose prompt
+    has images (module docstring): the template's texts with each image's token sequence in
+    place of its placeholder, all sharing the row's images. `completions`: field name ->
+    messages (a pair's chosen and rejected, KTO's completion); RowError image_format when
+    they are strings, completion_image when they hold an image."""
+    if not all(isinstance(c, list) for c in completions.values()):
         raise RowError(
-            "image_format", "images beside a pair of strings; give conversational prompt "
+            "image_format", "images beside string completions; give conversational prompt "
             "messages with image parts"
         )  # fmt: skip
-    chosen, rejected = _completion_text(chosen, "chosen"), _completion_text(rejected, "rejected")
+    replies = [_completion_text(c, key) for key, c in completions.items()]
     messages, sources = vision_messages({"messages": prompt, "images": row.get("images")})
     texts = [_template(tokenizer, messages, kwargs, True, tokenize=False)]
-    texts += [_template(tokenizer, messages + c, kwargs, False, tokenize=False)
-              for c in (chosen, rejected)]  # fmt: skip
-    prompt_ex, chosen_ex, rejected_ex = side.encode_rendered(texts, sources, tokenizer)
-    prompt_ids, c_ids, r_ids = prompt_ex.input_ids, chosen_ex.input_ids, rejected_ex.input_ids
-    prompt_len = min(common_prefix(prompt_ids, c_ids), common_prefix(prompt_ids, r_ids))
-    if prompt_len == len(c_ids) or prompt_len == len(r_ids):
-        raise RowError("empty", "chosen or rejected has no tokens after the prompt")
-    if any(rows and rows[-1] >= prompt_len for rows in (chosen_ex.feature_rows(),
-                                                        rejected_ex.feature_rows())):  # fmt: skip
+    texts += [_template(tokenizer, messages + c, kwargs, False, tokenize=False) for c in replies]
+    prompt_ex, *full = side.encode_rendered(texts, sources, tokenizer)
+    return prompt_ex.input_ids, full
+
+
+def check_images_in_prompt(ex: ImageExample, prompt_len: int) -> None:
+    """RowError when an image token lies past the prompt (only completions are scored)."""
+    if prompt_len == len(ex.input_ids):
+        raise RowError("empty", "the completion has no tokens after the prompt")
+    rows = ex.feature_rows()
+    if rows and rows[-1] >= prompt_len:
         raise RowError("template_error", "the template puts an image after the shared prompt")
-    return PairExample(c_ids, r_ids, prompt_len, images=(chosen_ex, rejected_ex))
+
+
+def encode_image_pair(side: ImageProcessing, tokenizer: Any, row: Mapping[str, Any]) -> PairExample:
+    """A pair whose prompt has images (module docstring), as TRL's DPOTrainer tokenizes a
+    vision pair."""
+    prompt, chosen, rejected, kwargs = parse_pair_row(row, tokenizer.eos_token, keep_parts=True)
+    prompt_ids, (c, r) = encode_image_completions(
+        side, tokenizer, row, prompt, {"chosen": chosen, "rejected": rejected}, kwargs
+    )
+    prompt_len = min(common_prefix(prompt_ids, c.input_ids), common_prefix(prompt_ids, r.input_ids))
+    for ex in (c, r):
+        check_images_in_prompt(ex, prompt_len)
+    return PairExample(c.input_ids, r.input_ids, prompt_len, images=(c, r))
 
 
 def tokenize_pairs(

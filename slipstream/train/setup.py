@@ -119,10 +119,12 @@ def image_implementation(cfg: RunConfig, examples: list) -> str | None:
     from slipstream.checkpoint.model_type import model_config
     from slipstream.data.vision import ImageExample
     from slipstream.models import image_text_implementation
+    from slipstream.objectives.kto_data import KTOExample
     from slipstream.objectives.pairs import PairExample
 
-    def images(e: Any) -> bool:  # an image row, or a preference pair with images
-        return isinstance(e, ImageExample) or isinstance(e, PairExample) and e.images is not None
+    def images(e: Any) -> bool:  # an image row, or a preference pair / KTO row with images
+        with_images = isinstance(e, (PairExample, KTOExample)) and e.images is not None
+        return isinstance(e, ImageExample) or with_images
 
     if cfg.model.implementation != "auto" or not any(images(e) for e in examples):
         return None
