@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import peft
 import pytest
@@ -289,6 +290,9 @@ def test_paired_image_rows_share_their_prompt(tmp_path, kind):
     assert batch.main.images[FEATURE_INDEX].tolist() == [*range(a), *range(a), *range(a, a + b),
                                                           *range(a, a + b)]  # fmt: skip
     assert batch.main.images["pixel_values"].shape == side_pixels(examples, [0, 2]).shape
+    # Rows of two sources may share a number: only the same images are shared.
+    clash = objective.collate([replace(ex, row=0) for ex in examples])
+    assert clash.main.images[FEATURE_INDEX].tolist() == batch.main.images[FEATURE_INDEX].tolist()
 
 
 def side_pixels(examples, owners):
@@ -338,24 +342,33 @@ def test_bad_image_rows_are_counted_skips(tmp_path):
 
 
 # -- the CLI -------------------------------------------------------------------------------
+def _kto_run(tmp_path, name, **train):
+    """A tiny Qwen2.5-VL, six image rows (paths relative to the data file) and a 2-step LoRA
+    kto run's YAML with `vision.tower: lora`; (model folder, config path)."""
+    folder = tmp_path / "model"
+    if not folder.exists():
+        vlm_folder(folder, "qwen2_5_vl")
+        (tmp_path / "pics").mkdir()
+        names = write_images(tmp_path / "pics", [(40, 60), (56, 56), (30, 80)])
+        rows = []
+        for i in range(6):
+            parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
+            rows.append({
+                "prompt": [{"role": "user", "content": parts}], "images": [f"pics/{names[i % 3]}"],
+                "completion": _turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3,
+            })  # fmt: skip
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = {"objective": "kto", "tokens_per_batch": 512, **train}
+    config = run_config(tmp_path / f"{name}.yaml", folder, tmp_path / "rows.jsonl",
+                        tmp_path / name, vision={"tower": "lora"}, train=train)  # fmt: skip
+    return folder, config
+
+
 def test_cli_kto_on_image_rows_then_the_adapter_loads_in_peft(tmp_path, capsys):
     from slipstream import cli
 
-    folder = vlm_folder(tmp_path / "model", "qwen2_5_vl")
-    (tmp_path / "pics").mkdir()
-    names = write_images(tmp_path / "pics", [(40, 60), (56, 56), (30, 80)])
-    rows = []
-    for i in range(6):
-        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-        rows.append({
-            "prompt": [{"role": "user", "content": parts}], "images": [f"pics/{names[i % 3]}"],
-            "completion": _turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3,
-        })  # fmt: skip
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder, config = _kto_run(tmp_path, "run")
     out = tmp_path / "run"
-    config = run_config(tmp_path / "run.yaml", folder, tmp_path / "rows.jsonl", out,
-                        vision={"tower": "lora"},
-                        train={"objective": "kto", "tokens_per_batch": 512})  # fmt: skip
     assert cli.main(["train", str(config)]) == 0
     text = "".join(capsys.readouterr())
     assert "6 rows -> 6 examples" in text and "skipped 0" in text
@@ -366,3 +379,22 @@ def test_cli_kto_on_image_rows_then_the_adapter_loads_in_peft(tmp_path, capsys):
     lora_b = {n: p for n, p in loaded.named_parameters() if "lora_B" in n}
     assert any(p.abs().max() > 0 for p in lora_b.values())  # two steps moved the adapter
     assert any(".visual." in n for n in lora_b)  # vision.tower: lora
+
+
+def test_two_ranks_train_image_rows_as_one_process(tmp_path):
+    """Each rank tokenizes its share of the rows and collates examples another rank made
+    (their images travel as sources): two DDP ranks at grad_accum 1 make the losses one
+    process makes at grad_accum 2 (KTO's KL estimate is each micro-batch's own)."""
+    import yaml
+    from helpers.runs import losses
+    from helpers.torchrun import check, train_job
+
+    from slipstream import cli
+
+    _, single = _kto_run(tmp_path, "single", grad_accum=2, tokens_per_batch=256)
+    assert cli.main(["train", str(single)]) == 0
+    _, ddp = _kto_run(tmp_path, "ddp", parallel="ddp", tokens_per_batch=256)
+    check(train_job(yaml.safe_load(ddp.read_text()), tmp_path))
+    one, two = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert sorted(one) == sorted(two) == [1, 2]
+    assert all(abs(one[s] - two[s]) <= 1e-4 * abs(one[s]) for s in one), (one, two)

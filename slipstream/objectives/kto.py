@@ -25,7 +25,9 @@ from the same chunks of logits as the policy's log-probs (ops/loss.py, `with_sta
 
 Forwards per micro-batch: the policy on the examples (with gradient); the policy on the KL
 sequences and the reference on both (no gradient). The reference with LoRA is the same model
-(objectives/reference.py): the starting adapter frozen, or the base.
+(objectives/reference.py): the starting adapter frozen, or the base. With images
+(kto_data.py) each forward passes its stream's image inputs; the tower runs once a prompt in
+each of the four forwards.
 """
 
 from __future__ import annotations

@@ -22,6 +22,14 @@ own prompt followed by the completion of example i-1 (example 0 takes example n-
 `max_tokens`: the mismatched pairs TRL builds by rotating completions by one within a batch.
 Over a micro-batch the KL sequences hold exactly the prompts and completions of the
 examples, so an example takes twice its tokens in the packer (`length`).
+
+Images (an image-text checkpoint's `ImageProcessing`): a row whose conversational prompt has
+image parts is read as DPO reads an image pair (objectives/pairs.py
+`encode_image_completions`: TRL's vision format, the same counted skips); each example keeps
+its sequence as an ImageExample, every image token inside the prompt. Collated, each row's
+images are packed once (a pair's two examples share them through `image_feature_index`) and
+KL sequence i takes prompt i's features through `kl_image_feature_index`: one copy of the
+pixels serves both streams (`_put_images`).
 """
 
 from __future__ import annotations
@@ -352,18 +360,21 @@ KL_IMAGE_FIELDS = ("image_rows", FEATURE_INDEX, MROPE_FIELD)
 def _put_images(
     builder: PackedBuilder, examples: Sequence[KTOExample], kl_examples: Sequence[KTOExample]
 ) -> tuple[tuple, tuple]:
-    """The batch's images, once a row: a pair's two examples share their prompt's (the
-    second owned by the first, data/vision.py `packed_images`), and KL sequence i takes the
-    features of prompt i through `kl_image_feature_index`. -> the (examples', KL sequences')
-    image spans (Gemma 3)."""
+    """The batch's images, once a row: a pair's two examples (the same row, the same image
+    sources) share their prompt's (the second owned by the first, `packed_images`), and KL
+    sequence i takes the features of prompt i through `kl_image_feature_index`. -> the
+    (examples', KL sequences') image spans (Gemma 3)."""
     owner_of: dict[int, int] = {}  # row -> its first entry in `placed`
     placed, owners, owned = [], [], []  # owned: each example's entry, or None
     start = 0
     for ex in examples:
         owned.append(None)
         if ex.images is not None:
-            owned[-1] = owner_of.setdefault(ex.row, len(placed))
-            owners.append(owned[-1])
+            owner = owner_of.get(ex.row)  # rows of two data sources may share a number
+            if owner is None or placed[owner][1].sources != ex.images.sources:
+                owner = owner_of[ex.row] = len(placed)
+            owned[-1] = owner
+            owners.append(owner)
             placed.append((start, ex.images))
         start += len(ex)
     kl_placed, start = [], 0
