@@ -18,7 +18,6 @@ image-text models (tests/helpers/tiny_vlm.py), float32 on CPU.
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import replace
 
@@ -27,13 +26,16 @@ import pytest
 import torch
 import transformers
 from datasets import Dataset
+from helpers.image_objective_runs import (
+    assert_cli_run_moves_a_tower_adapter,
+    assert_two_ranks_match_one_process,
+    image_prompt_run,
+)
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
     assert_lora_grads_match,
     random_image,
-    run_config,
     vlm_folder,
-    write_images,
 )
 
 import slipstream
@@ -343,58 +345,21 @@ def test_bad_image_rows_are_counted_skips(tmp_path):
 
 # -- the CLI -------------------------------------------------------------------------------
 def _kto_run(tmp_path, name, **train):
-    """A tiny Qwen2.5-VL, six image rows (paths relative to the data file) and a 2-step LoRA
-    kto run's YAML with `vision.tower: lora`; (model folder, config path)."""
-    folder = tmp_path / "model"
-    if not folder.exists():
-        vlm_folder(folder, "qwen2_5_vl")
-        (tmp_path / "pics").mkdir()
-        names = write_images(tmp_path / "pics", [(40, 60), (56, 56), (30, 80)])
-        rows = []
-        for i in range(6):
-            parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-            rows.append({
-                "prompt": [{"role": "user", "content": parts}], "images": [f"pics/{names[i % 3]}"],
-                "completion": _turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3,
-            })  # fmt: skip
-        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = {"objective": "kto", "tokens_per_batch": 512, **train}
-    config = run_config(tmp_path / f"{name}.yaml", folder, tmp_path / "rows.jsonl",
-                        tmp_path / name, vision={"tower": "lora"}, train=train)  # fmt: skip
-    return folder, config
+    """A tiny Qwen2.5-VL, six image rows (three desirable) and a 2-step LoRA kto run's YAML
+    with `vision.tower: lora`; (model folder, config path)."""
+
+    def answer(i):
+        return {"completion": _turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3}
+
+    return image_prompt_run(tmp_path, name, "kto", answer, **train)
 
 
 def test_cli_kto_on_image_rows_then_the_adapter_loads_in_peft(tmp_path, capsys):
-    from slipstream import cli
-
-    folder, config = _kto_run(tmp_path, "run")
-    out = tmp_path / "run"
-    assert cli.main(["train", str(config)]) == 0
-    text = "".join(capsys.readouterr())
-    assert "6 rows -> 6 examples" in text and "skipped 0" in text
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2] and all("kl" in m for m in steps)
-    loaded = peft.PeftModel.from_pretrained(_hf(folder), out)
-    lora_b = {n: p for n, p in loaded.named_parameters() if "lora_B" in n}
-    assert any(p.abs().max() > 0 for p in lora_b.values())  # two steps moved the adapter
-    assert any(".visual." in n for n in lora_b)  # vision.tower: lora
+    assert_cli_run_moves_a_tower_adapter(*_kto_run(tmp_path, "run"), capsys, "kl")
 
 
 def test_two_ranks_train_image_rows_as_one_process(tmp_path):
     """Each rank tokenizes its share of the rows and collates examples another rank made
     (their images travel as sources): two DDP ranks at grad_accum 1 make the losses one
     process makes at grad_accum 2 (KTO's KL estimate is each micro-batch's own)."""
-    import yaml
-    from helpers.runs import losses
-    from helpers.torchrun import check, train_job
-
-    from slipstream import cli
-
-    _, single = _kto_run(tmp_path, "single", grad_accum=2, tokens_per_batch=256)
-    assert cli.main(["train", str(single)]) == 0
-    _, ddp = _kto_run(tmp_path, "ddp", parallel="ddp", tokens_per_batch=256)
-    check(train_job(yaml.safe_load(ddp.read_text()), tmp_path))
-    one, two = losses(tmp_path / "single"), losses(tmp_path / "ddp")
-    assert sorted(one) == sorted(two) == [1, 2]
-    assert all(abs(one[s] - two[s]) <= 1e-4 * abs(one[s]) for s in one), (one, two)
+    assert_two_ranks_match_one_process(tmp_path, _kto_run)
