@@ -21,7 +21,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-import peft
 import pytest
 import torch
 import transformers
@@ -30,6 +29,9 @@ from helpers.image_objective_runs import (
     assert_cli_run_moves_a_tower_adapter,
     assert_two_ranks_match_one_process,
     image_prompt_run,
+    lora_vlm,
+    peft_vlm,
+    turn,
 )
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
@@ -49,15 +51,11 @@ trl = pytest.importorskip("trl")
 BETA = 0.1
 
 
-def _turn(role, text):
-    return [{"role": role, "content": [{"type": "text", "text": text}]}]
-
-
 def _row(sizes, completion, label, k, question="What is it?"):
     images = [random_image(h, w, seed=h + w + k) for h, w in sizes]
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
     return {"images": images, "prompt": [{"role": "user", "content": parts}],
-            "completion": _turn("assistant", completion), "label": label}  # fmt: skip
+            "completion": turn("assistant", completion), "label": label}  # fmt: skip
 
 
 ROWS = [
@@ -66,7 +64,7 @@ ROWS = [
     _row([(40, 40)], "A red square.", True, 2, "Describe it."),
 ]
 TEXT_ROW = {"prompt": [{"role": "user", "content": "Hi"}],
-            "completion": _turn("assistant", "Go away."), "label": False}  # fmt: skip
+            "completion": turn("assistant", "Go away."), "label": False}  # fmt: skip
 
 
 # A seed per type whose two random adapters put the KL estimate above 0 (TRL clamps it at 0,
@@ -78,14 +76,7 @@ def _setup(root, kind, implementation="auto", tower_lora=False):
     """(folder, tokenizer, image side, our model, its KTO objective, adapter folders): random
     LoRA adapters `start` (the reference, as TRL's "ref" copy) and `trained` (the policy, the
     model's live adapter)."""
-    folder = vlm_folder(root / kind, kind)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    side = ImageProcessing.from_model(str(folder), tok)
-    model = slipstream.load_model(folder, implementation=implementation)
-    if tower_lora:
-        model.no_lora_prefixes = ()  # what train/setup.py sets for vision.tower: lora
-    torch.manual_seed(0)
-    slipstream.apply_lora(model, rank=4, alpha=8)
+    folder, tok, side, model = lora_vlm(root, kind, implementation, tower_lora)
     seed, adapters = SEEDS.get(kind, 0), {}
     for name, s in (("start", seed), ("trained", seed + 100)):
         torch.manual_seed(s)
@@ -97,14 +88,6 @@ def _setup(root, kind, implementation="auto", tower_lora=False):
     objective.reference = ReferencePolicy(model, "start")
     slipstream.load_adapter(model, adapters["trained"])
     return folder, tok, side, model, objective, adapters
-
-
-def _hf(folder):
-    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-
-
-def _peft(folder, adapter):
-    return peft.PeftModel.from_pretrained(_hf(folder), adapter, is_trainable=True)
 
 
 def _move_live_adapter(peft_model, adapter):
@@ -132,7 +115,7 @@ def test_kto_matches_trl(tmp_path, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = KTOTrainer(  # the peft model's start is copied to a frozen "ref" adapter
-            model=_peft(folder, adapters["start"]), args=args,
+            model=peft_vlm(folder, adapters["start"]), args=args,
             train_dataset=Dataset.from_list(ROWS),
             processing_class=transformers.AutoProcessor.from_pretrained(folder),
         )  # fmt: skip
@@ -194,7 +177,7 @@ def qwen(request, tmp_path_factory):
     return kind, setup
 
 
-def test_kto_matches_transformers_peft(qwen):
+def test_kto_matches_transformerspeft_vlm(qwen):
     kind, (folder, tok, side, model, objective, adapters) = qwen
     examples, _ = tokenize_kto(ROWS, tok, max_tokens=1 << 20, images=side)
     n = len(examples)
@@ -204,9 +187,9 @@ def test_kto_matches_transformers_peft(qwen):
     (loss_sum / n).backward()
     kl_examples = kl_sequences(examples, 1 << 20)
     with torch.no_grad():
-        start = _peft(folder, adapters["start"])
+        start = peft_vlm(folder, adapters["start"])
         ref, ref_kl = (_hf_logps(start, e, side, kind) for e in (examples, kl_examples))
-    policy = _peft(folder, adapters["trained"])
+    policy = peft_vlm(folder, adapters["trained"])
     with torch.no_grad():
         kl = kl_estimate(_hf_logps(policy, kl_examples, side, kind), ref_kl)
     logps = _hf_logps(policy, examples, side, kind)
@@ -228,12 +211,12 @@ def test_kto_matches_transformers_peft(qwen):
 # -- packing, shared features, host syncs ----------------------------------------------------
 def _paired(row, chosen, rejected):
     out = {k: v for k, v in row.items() if k not in ("completion", "label")}
-    return {**out, "chosen": _turn("assistant", chosen), "rejected": _turn("assistant", rejected)}
+    return {**out, "chosen": turn("assistant", chosen), "rejected": turn("assistant", rejected)}
 
 
 PAIRED = [_paired(ROWS[0], "A cat.", "A dog on a log."), _paired(ROWS[1], "Two.", "Three")]
-TEXT_PAIR = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": _turn("assistant", "Hello."),
-             "rejected": _turn("assistant", "Go away.")}  # fmt: skip
+TEXT_PAIR = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": turn("assistant", "Hello."),
+             "rejected": turn("assistant", "Go away.")}  # fmt: skip
 
 
 def _packed_equals_alone(objective, model, examples):
@@ -310,7 +293,7 @@ def test_bad_image_rows_are_counted_skips(tmp_path):
     side = ImageProcessing.from_model(str(folder), tok)
     one = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}
     two = {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}
-    base = {"completion": _turn("assistant", "Yes."), "label": True}
+    base = {"completion": turn("assistant", "Yes."), "label": True}
     pic, image_reply = random_image(30, 30), {"role": "assistant", "content": [{"type": "image"}]}
     rows = [
         {**base, "prompt": [one], "images": [str(tmp_path / "gone.png")]},  # image_missing
@@ -349,12 +332,12 @@ def _kto_run(tmp_path, name, **train):
     with `vision.tower: lora`; (model folder, config path)."""
 
     def answer(i):
-        return {"completion": _turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3}
+        return {"completion": turn("assistant", f"Picture {(i + i // 3) % 3}."), "label": i < 3}
 
     return image_prompt_run(tmp_path, name, "kto", answer, **train)
 
 
-def test_cli_kto_on_image_rows_then_the_adapter_loads_in_peft(tmp_path, capsys):
+def test_cli_kto_on_image_rows_then_the_adapter_loads_inpeft_vlm(tmp_path, capsys):
     assert_cli_run_moves_a_tower_adapter(*_kto_run(tmp_path, "run"), capsys, "kl")
 
 

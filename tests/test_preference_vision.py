@@ -23,7 +23,6 @@ from __future__ import annotations
 import warnings
 from types import SimpleNamespace
 
-import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,17 +31,20 @@ from datasets import Dataset
 from helpers.image_objective_runs import (
     assert_cli_run_moves_a_tower_adapter,
     assert_two_ranks_match_one_process,
+    hf_vlm,
     image_prompt_run,
+    lora_vlm,
+    peft_vlm,
+    turn,
 )
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
     assert_lora_grads_match,
     random_image,
-    vlm_folder,
 )
 
 import slipstream
-from slipstream.data.vision import FEATURE_INDEX, ImageProcessing, image_inputs
+from slipstream.data.vision import FEATURE_INDEX, image_inputs
 from slipstream.objectives.pairs import tokenize_pairs
 from slipstream.objectives.preference import orpo_log_odds, pair_objective
 from slipstream.objectives.reference import ReferencePolicy
@@ -52,48 +54,29 @@ trl = pytest.importorskip("trl")
 BETA = 0.1
 
 
-def _turn(role, text):
-    return [{"role": role, "content": [{"type": "text", "text": text}]}]
-
-
 def _pair(sizes, chosen, rejected, k):
     images = [random_image(h, w, seed=h + w + k) for h, w in sizes]
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What is it?"}]
     prompt = [{"role": "user", "content": parts}]
-    return {"images": images, "prompt": prompt, "chosen": _turn("assistant", chosen),
-            "rejected": _turn("assistant", rejected)}  # fmt: skip
+    return {"images": images, "prompt": prompt, "chosen": turn("assistant", chosen),
+            "rejected": turn("assistant", rejected)}  # fmt: skip
 
 
 ROWS = [
     _pair([(50, 90)], "A cat on a mat.", "A dog, maybe.", 0),
     _pair([(100, 60), (30, 30)], "Two of them.", "None", 1),
 ]
-TEXT_ROW = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": _turn("assistant", "Hello."),
-            "rejected": _turn("assistant", "Go away.")}  # fmt: skip
+TEXT_ROW = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": turn("assistant", "Hello."),
+            "rejected": turn("assistant", "Go away.")}  # fmt: skip
 
 
 def _setup(root, kind, implementation="auto", tower_lora=False):
     """(folder, tokenizer, image side, our model with a random LoRA, its adapter folder);
     `tower_lora`: the tower's linears get adapters too (`vision.tower: lora`)."""
-    folder = vlm_folder(root / kind, kind)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    side = ImageProcessing.from_model(str(folder), tok)
-    model = slipstream.load_model(folder, implementation=implementation)
-    if tower_lora:
-        model.no_lora_prefixes = ()  # what train/setup.py sets for vision.tower: lora
-    torch.manual_seed(0)
-    slipstream.apply_lora(model, rank=4, alpha=8)
+    folder, tok, side, model = lora_vlm(root, kind, implementation, tower_lora)
     randomise_lora_b(model, 0.2)
     slipstream.save_adapter(model, root / f"{kind}-adapter")
     return folder, tok, side, model, root / f"{kind}-adapter"
-
-
-def _hf(folder):
-    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-
-
-def _peft(folder, adapter):
-    return peft.PeftModel.from_pretrained(_hf(folder), adapter, is_trainable=True)
 
 
 def _dpo(model, **options):
@@ -116,7 +99,7 @@ def test_dpo_matches_trl(tmp_path, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DPOTrainer(
-            model=_peft(folder, adapter), ref_model=_hf(folder), args=args,
+            model=peft_vlm(folder, adapter), ref_model=hf_vlm(folder), args=args,
             train_dataset=Dataset.from_list(ROWS),
             processing_class=transformers.AutoProcessor.from_pretrained(folder),
         )  # fmt: skip
@@ -186,7 +169,7 @@ def qwen(request, tmp_path_factory):
     return kind, setup
 
 
-def test_dpo_matches_transformers_peft(qwen):
+def test_dpo_matches_transformerspeft_vlm(qwen):
     kind, (folder, tok, side, model, adapter) = qwen
     pairs, _ = tokenize_pairs(ROWS, tok, max_tokens=1 << 20, images=side)
     model.zero_grad()
@@ -199,7 +182,7 @@ def test_dpo_matches_transformers_peft(qwen):
     assert images["image_rows"].numel() == 2 * sum(sum(p.images[0].image_tokens) for p in pairs)
     loss_sum, metrics = objective.micro_batch_loss(model, batch)
     (loss_sum / len(pairs)).backward()
-    peft_model = _peft(folder, adapter)
+    peft_model = peft_vlm(folder, adapter)
     loss, pol = _hf_dpo(peft_model, pairs, side, kind)
     torch.testing.assert_close(loss_sum / len(pairs), loss, rtol=1e-4, atol=1e-6)
     assert metrics["logps/chosen"].item() == pytest.approx(pol[:, 0].sum().item(), rel=1e-4)
@@ -284,7 +267,7 @@ def test_orpo_simpo_on_image_pairs(qwen, name):
     batch = objective.collate(pairs)
     with torch.no_grad():
         loss_sum, metrics = objective.micro_batch_loss(model, batch)
-        peft_model = _peft(folder, adapter)
+        peft_model = peft_vlm(folder, adapter)
         seqs = [_hf_logps(peft_model, p, side, kind) for p in pairs]
     n = torch.tensor([[len(s) - p.prompt_len for s in (p.chosen, p.rejected)] for p in pairs])
     sums = torch.tensor([[c for c, _ in s] for s in seqs])
@@ -325,14 +308,14 @@ def test_bad_image_pairs_are_counted_skips(tmp_path, qwen):
     kind, (folder, tok, side, model, _) = qwen
     one = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}
     two = {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}
-    base = {"chosen": _turn("assistant", "Yes."), "rejected": _turn("assistant", "No.")}
+    base = {"chosen": turn("assistant", "Yes."), "rejected": turn("assistant", "No.")}
     pic, image_reply = random_image(30, 30), {"role": "assistant", "content": [{"type": "image"}]}
     rows = [
         {**base, "prompt": [one], "images": [str(tmp_path / "gone.png")]},  # image_missing
         {**base, "prompt": [two], "images": [pic]},  # more parts than images
         {**base, "prompt": [one], "images": [pic, pic]},  # fewer
         # a placeholder string in the text
-        {**base, "prompt": [_turn("user", "<|image_pad|> hi")[0]], "images": [pic]},
+        {**base, "prompt": [turn("user", "<|image_pad|> hi")[0]], "images": [pic]},
         {"prompt": "What?", "chosen": " Yes.", "rejected": " No.", "images": [pic]},  # strings
         {**base, "prompt": [one], "images": [pic], "chosen": [image_reply]},
         {**base, "prompt": [one], "images": ["https://example.com/a.png"]},
@@ -364,13 +347,13 @@ def _pair_run(tmp_path, name, **train):
     `vision.tower: lora`; (model folder, config path)."""
 
     def answer(i):
-        return {"chosen": _turn("assistant", f"Picture {i % 3}."),
-                "rejected": _turn("assistant", f"Picture {(i + 1) % 3}, I think.")}  # fmt: skip
+        return {"chosen": turn("assistant", f"Picture {i % 3}."),
+                "rejected": turn("assistant", f"Picture {(i + 1) % 3}, I think.")}  # fmt: skip
 
     return image_prompt_run(tmp_path, name, "dpo", answer, **train)
 
 
-def test_cli_dpo_on_image_pairs_with_tower_lora_then_the_adapter_loads_in_peft(tmp_path, capsys):
+def test_cli_dpo_on_image_pairs_with_tower_lora_then_the_adapter_loads_inpeft_vlm(tmp_path, capsys):
     assert_cli_run_moves_a_tower_adapter(*_pair_run(tmp_path, "run"), capsys, "rewards/margins")
 
 

@@ -78,3 +78,30 @@ def assert_two_ranks_match_one_process(tmp_path: Path, make_run: Callable) -> No
     one, two = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [1, 2]
     assert all(abs(one[s] - two[s]) <= 1e-4 * abs(one[s]) for s in one), (one, two)
+
+
+def hf_vlm(folder: Path):
+    """transformers' image-text model of `folder`, float32."""
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+
+
+def peft_vlm(folder: Path, adapter: Path):
+    """`hf_vlm` with `adapter` loaded in peft, trainable."""
+    return peft.PeftModel.from_pretrained(hf_vlm(folder), adapter, is_trainable=True)
+
+
+def lora_vlm(root: Path, kind: str, implementation: str = "auto", tower_lora: bool = False):
+    """(folder, tokenizer, image side, our model with LoRA r4 on it) of a tiny `kind`;
+    `tower_lora`: the tower's linears get adapters too (`vision.tower: lora`)."""
+    import slipstream
+    from slipstream.data.vision import ImageProcessing
+
+    folder = vlm_folder(root / kind, kind)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    side = ImageProcessing.from_model(str(folder), tok)
+    model = slipstream.load_model(folder, implementation=implementation)
+    if tower_lora:
+        model.no_lora_prefixes = ()  # what train/setup.py sets for vision.tower: lora
+    torch.manual_seed(0)
+    slipstream.apply_lora(model, rank=4, alpha=8)
+    return folder, tok, side, model
