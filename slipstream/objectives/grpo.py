@@ -15,7 +15,10 @@ One optimizer step: the loop collates the step's prompt batches and hands them t
    host, and, on the device, the old log-probs (mu > 1) and the reference's (beta > 0).
 The loop then runs its usual accumulation over those micro-batches: `micro_batch_loss` is
 the clipped surrogate over completion tokens, log-probs through the chunked LM head, no host
-sync. `iterations_per_batch` = mu: one rollout serves mu consecutive optimizer steps (its
+sync. Prompts with images (grpo_data.py) generate with their images (`slipstream.generate`'s image
+path: the prefill writes the features, the KV cache as for text) and each micro-batch holds a
+prompt's images once, its G completions' rows sharing the tower's features.
+`iterations_per_batch` = mu: one rollout serves mu consecutive optimizer steps (its
 prompts drawn once); mu = 1 takes the old log-probs as the detached current ones (ratio 1,
 as TRL). A run resumed in the middle of a rollout's mu steps rolls those prompt batches out
 again with the resumed weights (exact resume needs save_every a multiple of mu). A prompt
@@ -35,6 +38,7 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.data.rows import row_columns
+from slipstream.data.vision import image_inputs, run_image_side
 from slipstream.objectives.base import HookContext, OnlineObjective
 from slipstream.objectives.grpo_config import GRPOSection
 from slipstream.objectives.grpo_data import (
@@ -89,21 +93,27 @@ class GRPO(OnlineObjective):
     metric_names = ("clip_ratio/region_mean", "kl")
     section = GRPOSection  # its options (RLOO: its own section, the same machinery)
 
-    def __init__(self, cfg: Any = None, *, rewards: Any = None, **options: Any) -> None:
+    def __init__(
+        self, cfg: Any = None, *, rewards: Any = None, model_path: str | None = None,
+        **options: Any,
+    ) -> None:  # fmt: skip
         """From a RunConfig (the `grpo` section), or without one from keyword options named
         as the section's keys (tests, the Python API); `rewards` a RewardFunctions-like
-        object (default: built from `grpo.rewards`)."""
+        object (default: built from `grpo.rewards`); `model_path` (without a config): the
+        checkpoint whose image processor reads prompts with images."""
         if cfg is not None:
             g, d, t = getattr(cfg, self.section.key), cfg.data, cfg.train
             self.budget = t.tokens_per_batch
             self.data_options = dict(overlong=d.overlong, strict=d.strict)
             self.full = cfg.train.finetune == "full"
             self.from_adapter = cfg.model.adapter is not None
+            self.model_path = cfg.model.path
         else:
             g = self.section.from_options(type(self).__name__, options)
             self.budget = 1 << 30
             self.data_options = {}
             self.full = self.from_adapter = False
+            self.model_path = model_path
         self.options = g
         self.G, self.mu, self.beta = g.num_generations, g.iterations_per_batch, g.beta
         self.epsilon = g.epsilon
@@ -134,7 +144,14 @@ class GRPO(OnlineObjective):
                 f"(columns: {sorted(columns)})"
             )
         return tokenize_prompts(rows, tokenizer, max_prompt_tokens=self.options.max_prompt_tokens,
-                                first_row=first_row, **self.data_options)  # fmt: skip
+                                first_row=first_row, images=self._images(tokenizer),
+                                **self.data_options)  # fmt: skip
+
+    def _images(self, tokenizer: Any) -> Any:
+        """The checkpoint's image side (None for a text model or without a path), built once."""
+        if not hasattr(self, "_image_side"):
+            self._image_side = run_image_side(self.model_path, tokenizer)
+        return self._image_side
 
     def length(self, example: PromptExample) -> int:
         return self.G * (len(example.prompt_ids) + self.options.max_completion_tokens)
@@ -179,7 +196,7 @@ class GRPO(OnlineObjective):
         adv_S, _ = advantages(total_S, G, g.scale_rewards, batch_std)
         samples = [
             Sample(examples[i // G].prompt_ids, c, float(adv_S[i]),
-                   truncated[i] and g.mask_truncated_completions)
+                   truncated[i] and g.mask_truncated_completions, examples[i // G].image)
             for i, c in enumerate(completions)
         ]  # fmt: skip
         batches = self.pack(samples, prompt_batches, device)
@@ -210,12 +227,16 @@ class GRPO(OnlineObjective):
         from the packed forward), up to max_completion_tokens or a stop token."""
         from slipstream.generation import engine
         from slipstream.generation.api import stop_token_ids
+        from slipstream.generation.images import packed_prompt_images
 
+        prompts = [ex.prompt_ids for ex in examples]
+        with_images = {i: ex.image for i, ex in enumerate(examples) if ex.image is not None}
         return engine.run(
-            model, [ex.prompt_ids for ex in examples], samples_per_prompt=per_prompt,
+            model, prompts, samples_per_prompt=per_prompt,
             max_new_tokens=self.options.max_completion_tokens, logprobs=False,
             sampling=sampling, stop_ids=stop_token_ids(tokenizer), generator=generator,
             max_positions=model.config.hf.get("max_position_embeddings"),
+            images=packed_prompt_images(with_images, [len(p) for p in prompts]),
         )  # fmt: skip
 
     def score(self, tokenizer, examples: list[PromptExample], completions,
@@ -287,12 +308,19 @@ class GRPO(OnlineObjective):
             was_training = model.training
             model.eval()
             for b in batches:
-                b.old_logps = token_logps(model, b.input_ids, b.labels, b.seq, b.positions, T)
+                b.old_logps = self.token_logps(model, b, T)
             model.train(was_training)
         if self.reference is not None:
             with self.reference.active() as ref:
                 for b in batches:
-                    b.ref_logps = token_logps(ref, b.input_ids, b.labels, b.seq, b.positions, T)
+                    b.ref_logps = self.token_logps(ref, b, T)
+
+    @staticmethod
+    def token_logps(model, b: RolloutBatch, temperature: float) -> torch.Tensor:
+        """(N,) log-probs of the batch's scored tokens; its prompts' images, if any, through
+        the tower once a prompt (grpo_data.put_sample_images)."""
+        return token_logps(model, b.input_ids, b.labels, b.seq, b.positions, temperature,
+                           images=image_inputs(b.packed.fields))  # fmt: skip
 
     def rollout_stats(self, gathered: list) -> dict[str, Any]:
         """Host stats over every rank's completions (TRL's metric names where it has one)."""
@@ -323,7 +351,7 @@ class GRPO(OnlineObjective):
         sums: `clip_ratio/region_mean` and `kl` (beta > 0) as token means times the batch's
         weight (device tensors, no host sync)."""
         b, T = batch, self.options.temperature
-        logps_N = token_logps(model, b.input_ids, b.labels, b.seq, b.positions, T)
+        logps_N = self.token_logps(model, b, T)
         old_N = b.old_logps if b.old_logps is not None else logps_N.detach()
         loss_N, clipped_N, kl_N = token_losses(
             logps_N, old_N, b.advantages, epsilon=self.epsilon, epsilon_high=self.epsilon_high,

@@ -9,36 +9,51 @@ A prompt over `max_prompt_tokens` is dropped (`data.overlong: drop`, counted) or
 last tokens (`truncate`, TRL's left truncation); a row without a usable prompt is counted
 and skipped (fatal with `data.strict`).
 
+Prompts with images (TRL's vision format: `{"type": "image"}` parts taking the row's `images`
+list, or inline image parts; data/images.py) under an image-text checkpoint are read by SFT's
+image reader: the template's text with each placeholder expanded by the checkpoint's image
+processor (data/vision.py `encode_rendered`), kept as the example's `image` (an ImageExample
+holding the images' sources, not their pixels). Bad image rows are counted by the image
+reader's reasons (image_missing, image_count, remote_image, ...); `image_format` for images
+beside a string prompt; `image_part` for image rows under a text checkpoint; an image prompt
+over `max_prompt_tokens` is dropped, never cut (`truncate` counts it as `image_truncated`).
+
 A rolled-out micro-batch holds S prompt+completion sequences packed without padding. Only
 completion tokens are scored: position t scores token t+1 when t+1 is past the prompt.
 Built on the host per scored position (N of them): `advantages`, `scales` (the loss type's
 per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `mask`
 (1 for tokens of unmasked completions), and on the device later `old_logps` (mu > 1) and
-`ref_logps` (beta > 0).
+`ref_logps` (beta > 0). A micro-batch with image prompts carries each prompt's images once
+(`put_sample_images`): its completions' rows take the same tower features through
+`image_feature_index` (data/vision.py `packed_images` with owners).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from slipstream.data.formats import text_content
+from slipstream.data.images import has_images, undecoded_images, vision_messages
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
+from slipstream.data.vision import ImageExample, ImageProcessing, put_images
 
 
 @dataclass
 class PromptExample:
     """One prompt: its token ids, the raw prompt (for the rewards), the row's other columns
-    and its row index in the source."""
+    and its row index in the source; `image`: a prompt with images, as an ImageExample of
+    `prompt_ids` (its images' sources, sizes and rows)."""
 
     prompt_ids: list[int]
     prompt: Any
     columns: dict[str, Any]
     row: int
+    image: ImageExample | None = None
 
 
 @dataclass
@@ -73,6 +88,21 @@ def _encode(tokenizer: Any, prompt: Any) -> list[int]:
     return prompt_ids(prompt, tokenizer)
 
 
+def _encode_image_prompt(side: ImageProcessing, tokenizer: Any, row: Mapping[str, Any]):
+    """A prompt with images (module docstring) -> its ImageExample; RowError if bad."""
+    prompt = row["prompt"]
+    if not isinstance(prompt, list):
+        raise RowError("image_format", "images beside a string prompt; give conversational "
+                       "prompt messages with image parts")  # fmt: skip
+    messages, sources = vision_messages({"messages": prompt, "images": row.get("images")})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError and what a template raises itself
+        raise RowError("template_error", str(e).splitlines()[0] if str(e) else repr(e)) from None
+    (ex,) = side.encode_rendered([text], sources, tokenizer)
+    return ex
+
+
 def tokenize_prompts(
     rows: Any,
     tokenizer: Any,
@@ -81,25 +111,41 @@ def tokenize_prompts(
     overlong: str = "drop",
     strict: bool = False,
     first_row: int = 0,
+    images: ImageProcessing | None = None,
 ) -> tuple[list[PromptExample], DataReport]:
-    """Prompt rows (a `datasets.Dataset` or list of dicts) -> examples; every skip counted."""
+    """Prompt rows (a `datasets.Dataset` or list of dicts) -> examples; every skip counted.
+    `images`: the checkpoint's image side (data/vision.py), which reads prompts with images."""
     report = DataReport(rows=len(rows), format="prompt")
+    if images is not None:  # examples keep datasets.Image cells' bytes, not decoded pixels
+        rows = undecoded_images(rows)
 
     def encode(row: Mapping[str, Any], index: int) -> Encoded:
         prompt = row.get("prompt")
         try:
             if not isinstance(prompt, (str, list)) or not prompt:
                 raise ValueError(f"'prompt' is {type(prompt).__name__}, not text or messages")
-            ids = _encode(tokenizer, prompt)
+            image = None
+            if row.get("images") or has_images({"messages": prompt}):
+                if images is None:
+                    raise RowError("image_part", "the prompt has images: a text model reads none")
+                image = _encode_image_prompt(images, tokenizer, row)
+                ids = image.input_ids
+            else:
+                ids = _encode(tokenizer, prompt)
         except ValueError as e:
             raise RowError("bad_prompt", str(e)) from None
+        if image is not None and len(ids) > max_prompt_tokens and overlong != "drop":
+            raise RowError(
+                "image_truncated", f"a prompt with images has {len(ids)} tokens, over "
+                f"max_prompt_tokens {max_prompt_tokens}; it is never cut",
+            )  # fmt: skip
         if len(ids) > max_prompt_tokens:
             if overlong == "drop":
                 return Encoded(None, len(ids))
             ids = ids[-max_prompt_tokens:]
             report.truncated += 1
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        return Encoded(PromptExample(ids, prompt, columns, index), len(ids))
+        return Encoded(PromptExample(ids, prompt, columns, index, image), len(ids))
 
     return encode_rows(rows, encode, report, strict, first_row), report
 
@@ -112,9 +158,40 @@ class Sample:
     completion_ids: list[int]
     advantage: float
     masked: bool  # a truncated completion with mask_truncated_completions
+    image: ImageExample | None = None  # the prompt's (PromptExample.image), shared by its G
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def put_sample_images(builder: PackedBuilder, sequences: Sequence[Sample]) -> tuple:
+    """The image fields of a micro-batch of samples being built (data/vision.py `put_images`):
+    each prompt's images placed once, at its first sample; the other samples of that prompt
+    take the same feature rows (`image_feature_index`: the tower runs once a prompt). Qwen-VL:
+    a completion's 3-D positions go on from its prompt's largest + 1 (transformers'
+    rope_deltas). -> the image spans for the built batch's `seq.image_spans`."""
+    placed, owners, seen, full, start = [], [], {}, [], 0
+    for s in sequences:
+        ids = s.prompt_ids + s.completion_ids
+        if s.image is None:
+            full.append(ids)
+        else:
+            owners.append(seen.setdefault(id(s.image), len(placed)))
+            placed.append((start, s.image))  # the prompt's image rows; the completion has none
+            full.append(_with_completion(s.image, ids))
+        start += len(ids)
+    return put_images(builder, placed, full, owners) if placed else ()
+
+
+def _with_completion(prompt: ImageExample, ids: list[int]) -> ImageExample:
+    """The prompt's ImageExample grown to prompt + completion `ids` (for its 3-D positions)."""
+    positions = prompt.positions_3d
+    if positions:
+        p = max(map(max, positions)) + 1
+        more = list(range(p, p + len(ids) - len(prompt.input_ids)))
+        positions = [axis + more for axis in positions]
+    trainable = prompt.trainable + [True] * (len(ids) - len(prompt.input_ids))
+    return replace(prompt, input_ids=ids, trainable=trainable, positions_3d=positions)
 
 
 @dataclass(eq=False)
@@ -153,7 +230,11 @@ def collate_rollouts(sequences: Sequence[Sample], loss_type: str, max_completion
         builder.add(full, [(len(s.prompt_ids), len(full))], advantages=s.advantage,
                     scales=scale, mask=0.0 if s.masked else 1.0)  # fmt: skip
     tokens = sum(n for n, s in zip(lengths, sequences, strict=True) if not s.masked)
-    return RolloutBatch(builder.build(), len(sequences), tokens, weight, weight / max(tokens, 1))
+    spans = put_sample_images(builder, sequences)
+    packed = builder.build()
+    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
+        packed.seq.image_spans = spans
+    return RolloutBatch(packed, len(sequences), tokens, weight, weight / max(tokens, 1))
 
 
 def pack_sequences(lengths: list[int], budget: int, fallback: list[list[int]]) -> list[list[int]]:

@@ -18,6 +18,8 @@ Metrics: TRL's clip_ratio/low_mean, high_mean, region_mean (per completion) and 
 (the policy's, a token mean over the unmasked completion tokens, from the same chunks of
 logits as the log-probs); the rollout adds `kl` (the token mean of old - ref, beta > 0).
 
+Prompts with images: as GRPO's (objectives/grpo_data.py), the tower once a prompt a micro-batch.
+
 Shapes: N scored tokens, S completions of a micro-batch.
 """
 
@@ -30,8 +32,9 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
+from slipstream.data.vision import image_inputs
 from slipstream.objectives.grpo import GRPO
-from slipstream.objectives.grpo_data import Sample
+from slipstream.objectives.grpo_data import Sample, put_sample_images
 from slipstream.objectives.logps import segment_sums
 from slipstream.objectives.rloo_config import RLOOSection
 from slipstream.objectives.rloo_loss import leave_one_out, normalise, sequence_losses
@@ -68,7 +71,11 @@ def collate_samples(samples: list[Sample], indices: list[int]) -> RLOOBatch:
         full = s.prompt_ids + s.completion_ids  # only the completion's tokens are scored
         builder.add(full, [(len(s.prompt_ids), len(full))], segments=k,
                     mask=0.0 if s.masked else 1.0, sample=i, advantages=0.0)  # fmt: skip
-    return RLOOBatch(builder.build(), len(indices))
+    spans = put_sample_images(builder, [samples[i] for i in indices])  # a prompt's images once
+    packed = builder.build()
+    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
+        packed.seq.image_spans = spans
+    return RLOOBatch(packed, len(indices))
 
 
 class RLOO(GRPO):
@@ -95,7 +102,7 @@ class RLOO(GRPO):
         total_S = self.rewards.total(rewards_SF)  # NaN: every one None
         truncated = [r.finish_reason == "length" for r in rows]
         masked = [t and g.mask_truncated_completions for t in truncated]
-        samples = [Sample(examples[i // G].prompt_ids, c, 0.0, masked[i])
+        samples = [Sample(examples[i // G].prompt_ids, c, 0.0, masked[i], examples[i // G].image)
                    for i, c in enumerate(completions)]  # fmt: skip
         batches = self.pack(samples, prompt_batches, device)
         self.add_logps(model, batches)
@@ -141,9 +148,11 @@ class RLOO(GRPO):
         """The clipped sequence-level surrogate summed over the completions, and the clip
         counts (per completion; the meter divides by the completions)."""
         b, S = batch, batch.num_sequences
+        images = image_inputs(b.packed.fields)
         nll_N, parts = model.loss(
             b.input_ids, b.labels, b.seq, reduction="none", label_positions=b.positions,
             temperature=self.options.temperature, return_parts=True,
+            **({"images": images} if images else {}),
         )  # fmt: skip
         logps_S = segment_sums(-nll_N * b.mask, b.segments, S)
         old_S = (

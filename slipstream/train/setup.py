@@ -119,10 +119,13 @@ def image_implementation(cfg: RunConfig, examples: list) -> str | None:
     from slipstream.checkpoint.model_type import model_config
     from slipstream.data.vision import ImageExample
     from slipstream.models import image_text_implementation
+    from slipstream.objectives.grpo_data import PromptExample
     from slipstream.objectives.kto_data import KTOExample
     from slipstream.objectives.pairs import PairExample
 
-    def images(e: Any) -> bool:  # an image row, or a preference pair / KTO row with images
+    def images(e: Any) -> bool:  # an image row; a preference pair, KTO row or RL prompt with images
+        if isinstance(e, PromptExample):
+            return e.image is not None
         with_images = isinstance(e, (PairExample, KTOExample)) and e.images is not None
         return isinstance(e, ImageExample) or with_images
 
