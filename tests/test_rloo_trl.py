@@ -188,7 +188,7 @@ class WeightedRewards:
 def our_rollout(model, objective, prompts, completions):
     """RLOO.generate_batches with the sampling and the reward functions fixed (prompt-major
     as TRL's: G completions of each prompt in turn)."""
-    examples = [SimpleNamespace(prompt_ids=p) for p in prompts[::G]]
+    examples = [SimpleNamespace(prompt_ids=p, image=None) for p in prompts[::G]]
     rows = [SimpleNamespace(token_ids=c, finish_reason="stop") for c in completions]
     objective.sample = lambda *a, **k: (examples, rows, 0.0)
     objective.score = lambda *a, **k: REWARDS.clone()
@@ -306,7 +306,7 @@ def test_completion_stats_equal_trl(tmp_path):
     other = next(t for t in range(300) if t not in (*trainer.eos_token_ids,
                                                      trainer._tokenizer.pad_token_id))  # fmt: skip
     prompts, completions = fixed_completions()
-    examples = [SimpleNamespace(prompt_ids=p) for p in prompts[::G]]
+    examples = [SimpleNamespace(prompt_ids=p, image=None) for p in prompts[::G]]
     for ended in ([0, 3, 4, 6], []):
         completions = [[*c[:-1], eos if i in ended else other] for i, c in enumerate(completions)]
         trainer._tokenize_prompts = lambda p: (prompts, None, None)

@@ -127,7 +127,7 @@ def tokenize_prompts(
             image = None
             if row.get("images") or has_images({"messages": prompt}):
                 if images is None:
-                    raise RowError("image_part", "the prompt has images: a text model reads none")
+                    raise RowError("image_part", "the prompt has images: they need a vision model")
                 image = _encode_image_prompt(images, tokenizer, row)
                 ids = image.input_ids
             else:
