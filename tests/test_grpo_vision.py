@@ -14,7 +14,7 @@
 - Packed completions of several prompts equal each group alone (loss, metrics, gradients) with
   no host sync over a LoRA step with a KL term, on Qwen2.5-VL (native, 3-D positions), Gemma 3
   (native, bidirectional image rows) and LLaVA (generic); RLOO's loss too. Bad rows counted;
-  a 2-step CLI run.
+  a 2-step CLI run; (slow) 2 DDP ranks equal one process.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ import pytest
 import torch
 import transformers
 from datasets import Dataset
+from helpers.image_objective_runs import (
+    assert_cli_run_moves_a_tower_adapter,
+    assert_two_ranks_match_one_process,
+    image_prompt_run,
+)
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
     assert_lora_grads_match,
     random_image,
     randomise_constant_tensors,
-    run_config,
     vlm_folder,
 )
 from test_grpo import noisy
@@ -374,35 +378,36 @@ def test_bad_image_prompts_are_counted_skips(tmp_path, qwen):
 
 
 # -- the CLI ----------------------------------------------------------------------------------
+GRPO_SECTION = {"num_generations": 2, "max_prompt_tokens": 64, "max_completion_tokens": 6,
+                "rewards": [{"function": f"{REWARDS}:length"}]}  # fmt: skip
+
+
+def _prompt_run(tmp_path, name, **train):
+    """The shared six-row tiny Qwen2.5-VL run (helpers/image_objective_runs.py) as GRPO, G = 2:
+    (model folder, config path)."""
+    return image_prompt_run(tmp_path, name, "grpo", lambda i: {}, {"grpo": GRPO_SECTION},
+                            **train)  # fmt: skip
+
+
 def test_cli_grpo_on_image_prompts_then_the_adapter_loads_in_peft(tmp_path, capsys):
-    from helpers.tiny_vlm import write_images
+    folder, config = _prompt_run(tmp_path, "run")
+    assert_cli_run_moves_a_tower_adapter(folder, config, capsys, "rewards/length/mean")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert all(r["completions/max_length"] <= 6 for r in map(json.loads, lines) if "loss" in r)
 
-    from slipstream import cli
 
-    folder = vlm_folder(tmp_path / "model", "qwen2_5_vl")
-    (tmp_path / "pics").mkdir()
-    names = write_images(tmp_path / "pics", [(40, 60), (56, 56), (30, 80)])
-    lines = []
-    for i in range(4):
-        parts = [{"type": "image"}, {"type": "text", "text": "Which is it?"}]
-        lines.append(json.dumps({"prompt": [{"role": "user", "content": parts}],
-                                 "images": [f"pics/{names[i % 3]}"]}))  # fmt: skip
-    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    config = run_config(
-        tmp_path / "run.yaml", folder, tmp_path / "prompts.jsonl", tmp_path / "run",
-        train={"objective": "grpo", "tokens_per_batch": 512}, vision={"tower": "lora"},
-        grpo={"num_generations": 2, "max_prompt_tokens": 128, "max_completion_tokens": 6,
-              "rewards": [{"function": f"{REWARDS}:length"}]},
-    )  # fmt: skip
-    assert cli.main(["train", str(config)]) == 0
-    text = "".join(capsys.readouterr())
-    assert "4 rows -> 4 examples" in text and "skipped 0" in text
-    out = tmp_path / "run"
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all("rewards/length/mean" in m and m["completions/max_length"] <= 6 for m in steps)
-    loaded = peft.PeftModel.from_pretrained(_hf(folder), out)
-    lora_b = {n: p for n, p in loaded.named_parameters() if "lora_B" in n}
-    assert any(p.abs().max() > 0 for p in lora_b.values())  # two steps moved the adapter
-    assert any(".visual." in n for n in lora_b)  # vision.tower: lora
+@pytest.mark.slow
+def test_two_ranks_train_image_prompts_as_one_process(tmp_path):
+    """Two DDP ranks at grad_accum 1 roll out, reward and train as one process at grad_accum
+    2 (each prompt batch sampled with the seed of its place in the step): the same losses,
+    and the same rewards and grad norms."""
+    assert_two_ranks_match_one_process(tmp_path, _prompt_run)
+
+    def steps(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+    one, two = steps("single"), steps("ddp")
+    for step in one:
+        assert two[step]["reward"] == pytest.approx(one[step]["reward"], abs=1e-5), step
+        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), step

@@ -41,6 +41,7 @@ from slipstream.data.images import has_images, undecoded_images, vision_messages
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
 from slipstream.data.vision import ImageExample, ImageProcessing, put_images
+from slipstream.objectives.pairs import _template  # the pairs' template_error rule
 
 
 @dataclass
@@ -95,10 +96,7 @@ def _encode_image_prompt(side: ImageProcessing, tokenizer: Any, row: Mapping[str
         raise RowError("image_format", "images beside a string prompt; give conversational "
                        "prompt messages with image parts")  # fmt: skip
     messages, sources = vision_messages({"messages": prompt, "images": row.get("images")})
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja2's TemplateError and what a template raises itself
-        raise RowError("template_error", str(e).splitlines()[0] if str(e) else repr(e)) from None
+    text = _template(tokenizer, messages, {}, True, tokenize=False)
     (ex,) = side.encode_rendered([text], sources, tokenizer)
     return ex
 

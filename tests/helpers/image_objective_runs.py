@@ -1,4 +1,5 @@
-"""The CLI checks the image-prompt objectives (DPO / ORPO / SimPO pairs, KTO rows) share: a
+"""The CLI checks the image-prompt objectives (DPO / ORPO / SimPO pairs, KTO rows, GRPO
+prompts) share: a
 tiny Qwen2.5-VL with six rows whose prompt is one of three pictures (paths relative to the
 data file), a 2-step LoRA run with `vision.tower: lora` whose adapter loads in peft, and two
 DDP ranks that make one process's losses."""
@@ -21,11 +22,12 @@ def turn(role: str, text: str) -> list[dict]:
 
 
 def image_prompt_run(
-    tmp_path: Path, name: str, objective: str, answer: Callable[[int], dict], **train
-) -> tuple[Path, Path]:
+    tmp_path: Path, name: str, objective: str, answer: Callable[[int], dict],
+    sections: dict | None = None, **train,
+) -> tuple[Path, Path]:  # fmt: skip
     """(model folder, config path) of a 2-step `objective` run on six rows: row i asks "Which
     is it?" of picture i % 3 and `answer(i)` gives its other columns (chosen/rejected,
-    completion/label)."""
+    completion/label; none for GRPO); `sections`: more config sections (`grpo`)."""
     folder = tmp_path / "model"
     if not folder.exists():
         vlm_folder(folder, "qwen2_5_vl")
@@ -39,7 +41,8 @@ def image_prompt_run(
         (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = {"objective": objective, "tokens_per_batch": 512, **train}
     config = run_config(tmp_path / f"{name}.yaml", folder, tmp_path / "rows.jsonl",
-                        tmp_path / name, vision={"tower": "lora"}, train=train)  # fmt: skip
+                        tmp_path / name, vision={"tower": "lora"}, train=train,
+                        **(sections or {}))  # fmt: skip
     return folder, config
 
 
