@@ -23,7 +23,6 @@ import json
 import warnings
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 import transformers
@@ -32,6 +31,7 @@ from helpers.image_objective_runs import (
     assert_cli_run_moves_a_tower_adapter,
     assert_two_ranks_match_one_process,
     image_prompt_run,
+    peft_vlm,
 )
 from helpers.models import randomise_lora_b
 from helpers.tiny_vlm import (
@@ -85,8 +85,9 @@ class Length:
 
 
 def _setup(root, kind):
-    """(folder, tokenizer, image side, our model with a random LoRA, its adapter folder);
-    constant tensors randomised (Gemma 3's projector starts at zero: images would not count)."""
+    """(folder, tokenizer, image side, our model with a random LoRA, its adapter folder): as
+    helpers' `lora_vlm`, but the checkpoint's constant tensors randomised before it loads
+    (Gemma 3's projector starts at zero: its images would not count)."""
     folder = vlm_folder(root / kind, kind)
     randomise_constant_tensors(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -97,10 +98,6 @@ def _setup(root, kind):
     randomise_lora_b(model, 0.2)
     slipstream.save_adapter(model, root / f"{kind}-adapter")
     return folder, tok, side, model, root / f"{kind}-adapter"
-
-
-def _hf(folder):
-    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
 
 
 def _grpo(**options):
@@ -181,7 +178,7 @@ def test_grpo_loss_and_lora_grads_equal_trl(tmp_path, kind, case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trl.GRPOTrainer(
-            model=peft.PeftModel.from_pretrained(_hf(folder), adapter, is_trainable=True),
+            model=peft_vlm(folder, adapter),
             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
             train_dataset=Dataset.from_list(ROWS),
             processing_class=transformers.AutoProcessor.from_pretrained(folder),
