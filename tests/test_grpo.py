@@ -65,6 +65,17 @@ def noisy(values, seed, scale=0.3):
     return values + scale * torch.randn(values.shape, generator=g)
 
 
+def padded_completions(samples, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids, completion mask), (S, length) each, right-padded as TRL's rollout
+    hands them to its loss; a masked sample's mask is all zeros."""
+    completion = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for i, s in enumerate(samples):
+        completion[i, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
+        mask[i, : len(s.completion_ids)] = 0 if s.masked else 1
+    return completion, mask
+
+
 def padded_reference(hf, samples, loss_type, *, eps=0.2, eps_high=0.28, beta=0.0, temp=1.0,
                      old_noise=None, ref_noise=None):  # fmt: skip
     """The formulas on TRL's padded (S, L) layout: per-token log-probs from each sequence run

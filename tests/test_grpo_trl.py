@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.models import make_hf_model
 from helpers.tokenizers import save_test_tokenizer
-from test_grpo import TINY, FixedRewards, grads, noisy
+from test_grpo import TINY, FixedRewards, grads, noisy, padded_completions
 
 from slipstream.checkpoint.hf import load_model
 from slipstream.objectives.grpo import GRPO
@@ -61,11 +61,7 @@ def samples_and_inputs(masked: bool):
             samples.append(Sample(prompt, ids, float(torch.randn((), generator=g)),
                                   masked and (p * G + k) % 3 == 0))  # fmt: skip
     S = len(samples)
-    completion = torch.zeros(S, MAX_LEN, dtype=torch.long)
-    mask = torch.zeros(S, MAX_LEN, dtype=torch.long)
-    for i, s in enumerate(samples):
-        completion[i, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
-        mask[i, : len(s.completion_ids)] = 0 if s.masked else 1
+    completion, mask = padded_completions(samples, MAX_LEN)
     inputs = {
         "prompt_ids": torch.tensor([s.prompt_ids for s in samples]),
         "prompt_mask": torch.ones(S, 6, dtype=torch.long),

@@ -40,7 +40,7 @@ from helpers.tiny_vlm import (
     randomise_constant_tensors,
     vlm_folder,
 )
-from test_grpo import noisy
+from test_grpo import noisy, padded_completions
 
 import slipstream
 from slipstream.data.vision import FEATURE_INDEX, ImageProcessing
@@ -131,12 +131,7 @@ def _trl_inputs(trainer, samples, rows):
     texts = [t for t in texts for _ in range(G)]
     images = [r["images"] for r in rows for _ in range(G)]
     prompt = processor(images=images, text=texts, padding=True, return_tensors="pt")
-    S = len(samples)
-    completion = torch.zeros(S, MAX_LEN, dtype=torch.long)
-    mask = torch.zeros(S, MAX_LEN, dtype=torch.long)
-    for i, s in enumerate(samples):
-        completion[i, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
-        mask[i, : len(s.completion_ids)] = 0 if s.masked else 1
+    completion, mask = padded_completions(samples, MAX_LEN)
     extra = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}
     if "token_type_ids" in extra:  # zeros over the completion, as TRL extends them
         extra["token_type_ids"] = torch.cat([extra["token_type_ids"], torch.zeros_like(mask)], 1)
