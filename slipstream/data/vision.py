@@ -521,21 +521,32 @@ def packed_image_spans(examples: list[tuple[int, ImageExample]]) -> tuple[tuple[
     )  # fmt: skip
 
 
+def image_fields(
+    placed: list[tuple[int, ImageExample]],
+    sequences: Sequence[Any],
+    owners: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], tuple[tuple[int, int], ...]]:
+    """(the image fields of a batch of `placed` (`packed_images`, `owners` included) and, for
+    Qwen-VL, the 3-D positions of all its `sequences` (examples, or id lists for text); the
+    image spans for its `seq.image_spans`)."""
+    fields = packed_images(placed, owners)
+    positions = packed_positions_3d(sequences)
+    if positions is not None:
+        fields[MROPE_FIELD] = positions
+    return fields, packed_image_spans(placed)
+
+
 def put_images(
     builder: Any,
     placed: list[tuple[int, ImageExample]],
     sequences: Sequence[Any],
     owners: Sequence[int] | None = None,
 ) -> tuple[tuple[int, int], ...]:
-    """The image fields of a batch being built from `placed` (`packed_images`, `owners`
-    included) and, for Qwen-VL, the 3-D positions of all its `sequences` (examples, or id
-    lists for text); -> the image spans for the built batch's `seq.image_spans`."""
-    for name, tensor in packed_images(placed, owners).items():
+    """`image_fields` as whole-tensor fields of a batch being built; -> its image spans."""
+    fields, spans = image_fields(placed, sequences, owners)
+    for name, tensor in fields.items():
         builder.put(name, tensor)
-    positions = packed_positions_3d(sequences)
-    if positions is not None:
-        builder.put(MROPE_FIELD, positions)
-    return packed_image_spans(placed)
+    return spans
 
 
 def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:

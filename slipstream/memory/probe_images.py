@@ -77,12 +77,7 @@ def worst_case_batch(
     docstring), on the meta device (or, to measure it for real, `device` with its pixels);
     None when no image fits."""
     from slipstream.data.labels import Example
-    from slipstream.data.vision import (
-        image_inputs,
-        packed_image_spans,
-        packed_images,
-        packed_positions_3d,
-    )
+    from slipstream.data.vision import image_fields, image_inputs
     from slipstream.ops.packing import SeqInfo
 
     ex = one_image(side, tokenizer, tokens)
@@ -102,15 +97,11 @@ def worst_case_batch(
     if tokens > n * copies:
         rest = tokens - n * copies
         examples.append(Example([0] * rest, [True] * rest))
-    placed = [(i * n, ex) for i in range(copies)]
-    fields: dict[str, Any] = dict(packed_images(placed))
-    positions = packed_positions_3d(examples)
-    if positions is not None:
-        fields["mrope_position_ids"] = positions
+    fields, spans = image_fields([(i * n, ex) for i in range(copies)], examples)
     # One sequence: the decoder's memory does not depend on where sequences end (flash
     # attention), and the meta step makes one attention call a layer, not one per image.
     seq = SeqInfo.from_lengths([tokens])
-    seq.image_spans = packed_image_spans(placed)
+    seq.image_spans = spans
     images = {k: v.to(device) for k, v in image_inputs(fields).items()}
     ids = torch.tensor([i for e in examples for i in e.input_ids], dtype=torch.int64)
     h, w = ex.sizes[0]
