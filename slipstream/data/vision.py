@@ -133,6 +133,19 @@ class ImageExample(Example):
                 spans.append([t, t + 1])
         return [(a, b) for a, b in spans]
 
+    def followed_by_text(self, keep: int, ids: list[int]) -> ImageExample:
+        """This example's first `keep` tokens (its images among them) then text, as the
+        example of `ids` (`ids[:keep]` are this one's; a completion holds no images): the added
+        tokens are targets, and Qwen-VL's 3-D positions count on from the kept ones' largest
+        + 1 (transformers' rope_deltas; where text follows a prompt, its next position)."""
+        positions = self.positions_3d
+        if positions is not None:
+            kept = [axis[:keep] for axis in positions]
+            p = max(map(max, kept)) + 1
+            positions = [axis + list(range(p, p + len(ids) - keep)) for axis in kept]
+        trainable = self.trainable[:keep] + [True] * (len(ids) - keep)
+        return replace(self, input_ids=ids, trainable=trainable, positions_3d=positions)
+
     def truncated(self, max_tokens: int) -> ImageExample:
         """The first `max_tokens` tokens; RowError when the cut falls before an image ends."""
         rows = self.feature_rows()

@@ -31,7 +31,7 @@ per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -176,20 +176,9 @@ def put_sample_images(builder: PackedBuilder, sequences: Sequence[Sample]) -> tu
         else:
             owners.append(seen.setdefault(id(s.image), len(placed)))
             placed.append((start, s.image))  # the prompt's image rows; the completion has none
-            full.append(_with_completion(s.image, ids))
+            full.append(s.image.followed_by_text(len(s.image.input_ids), ids))
         start += len(ids)
     return put_images(builder, placed, full, owners) if placed else ()
-
-
-def _with_completion(prompt: ImageExample, ids: list[int]) -> ImageExample:
-    """The prompt's ImageExample grown to prompt + completion `ids` (for its 3-D positions)."""
-    positions = prompt.positions_3d
-    if positions:
-        p = max(map(max, positions)) + 1
-        more = list(range(p, p + len(ids) - len(prompt.input_ids)))
-        positions = [axis + more for axis in positions]
-    trainable = prompt.trainable + [True] * (len(ids) - len(prompt.input_ids))
-    return replace(prompt, input_ids=ids, trainable=trainable, positions_3d=positions)
 
 
 @dataclass(eq=False)

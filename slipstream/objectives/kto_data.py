@@ -243,26 +243,14 @@ def tokenize_kto(
 
 def kl_sequences(examples: Sequence[KTOExample], max_tokens: int) -> list[KTOExample]:
     """Example i's prompt with example i-1's completion (module docstring), cut to max_tokens;
-    with images, prompt i's (`_kl_images`)."""
+    with images, prompt i's (`ImageExample.followed_by_text`)."""
     out = []
     for i, ex in enumerate(examples):
         prev = examples[i - 1]
         ids = (ex.ids[: ex.prompt_len] + prev.ids[prev.prompt_len :])[:max_tokens]
-        images = _kl_images(ex, ids) if ex.images is not None else None
+        images = None if ex.images is None else ex.images.followed_by_text(ex.prompt_len, ids)
         out.append(KTOExample(ids, ex.prompt_len, ex.desirable, images, ex.row))
     return out
-
-
-def _kl_images(ex: KTOExample, ids: list[int]) -> ImageExample:
-    """A KL sequence (`ids`: ex's prompt, another completion) as an ImageExample with ex's
-    images; Qwen-VL's 3-D positions: the prompt's, then text positions counting on from
-    where ex's own completion starts (a completion holds no images)."""
-    p, im = ex.prompt_len, ex.images
-    positions = None
-    if im.positions_3d is not None:
-        positions = [a[:p] + list(range(a[p], a[p] + len(ids) - p)) for a in im.positions_3d]
-    trainable = im.trainable[:p] + [True] * (len(ids) - p)
-    return replace(im, input_ids=ids, trainable=trainable, positions_3d=positions)
 
 
 @dataclass(eq=False)
