@@ -6,7 +6,7 @@ LM head on those rows only and never has to find them with a boolean mask (a hos
 `input_ids`, `labels` and `label_positions` are views of one (pinned, when CUDA is present)
 host buffer: `Batch.to(device)` is one non-blocking copy for all three plus the `SeqInfo`'s.
 Examples with images add their model inputs and `image_rows`, the packed positions their
-features fill, built here on the host (data/vision.py `put_images`), and, for models whose
+features fill, built here on the host (data/vision.py `build_with_images`), and, for models whose
 image rows attend bidirectionally, the batch's `seq.image_spans`.
 
 Shapes: T = total tokens in the batch, N = labelled positions (`num_labels`).
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from slipstream.data.labels import Example
 from slipstream.data.packed import IGNORE_INDEX, PackedBatch, PackedBuilder, target_spans
-from slipstream.data.vision import ImageExample, put_images
+from slipstream.data.vision import ImageExample, build_with_images
 
 __all__ = ["IGNORE_INDEX", "Batch", "collate"]
 
@@ -39,8 +39,4 @@ def collate(examples: Sequence[Example]) -> Batch:
         if isinstance(ex, ImageExample):
             with_images.append((start, ex))
         start += len(ex.input_ids)
-    spans = put_images(builder, with_images, examples) if with_images else ()
-    batch = builder.build()
-    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
-        batch.seq.image_spans = spans
-    return batch
+    return build_with_images(builder, with_images, examples)

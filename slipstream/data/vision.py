@@ -549,17 +549,22 @@ def image_fields(
     return fields, packed_image_spans(placed)
 
 
-def put_images(
+def build_with_images(
     builder: Any,
     placed: list[tuple[int, ImageExample]],
     sequences: Sequence[Any],
     owners: Sequence[int] | None = None,
-) -> tuple[tuple[int, int], ...]:
-    """`image_fields` as whole-tensor fields of a batch being built; -> its image spans."""
-    fields, spans = image_fields(placed, sequences, owners)
+) -> Any:
+    """The batch `builder` builds, with `image_fields` as whole-tensor fields and their spans
+    as its `seq.image_spans` (Gemma 3: each image's rows see one another, ops/attention.py);
+    no image field when nothing is `placed`."""
+    fields, spans = image_fields(placed, sequences, owners) if placed else ({}, ())
     for name, tensor in fields.items():
         builder.put(name, tensor)
-    return spans
+    batch = builder.build()
+    if spans:
+        batch.seq.image_spans = spans
+    return batch
 
 
 def image_inputs(fields: Mapping[str, Any]) -> dict[str, Any] | None:

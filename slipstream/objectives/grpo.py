@@ -318,7 +318,7 @@ class GRPO(OnlineObjective):
     @staticmethod
     def token_logps(model, b: RolloutBatch, temperature: float) -> torch.Tensor:
         """(N,) log-probs of the batch's scored tokens; its prompts' images, if any, through
-        the tower once a prompt (grpo_data.put_sample_images)."""
+        the tower once a prompt (grpo_data.sample_images)."""
         return token_logps(model, b.input_ids, b.labels, b.seq, b.positions, temperature,
                            images=image_inputs(b.packed.fields))  # fmt: skip
 

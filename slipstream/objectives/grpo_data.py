@@ -24,7 +24,7 @@ Built on the host per scored position (N of them): `advantages`, `scales` (the l
 per-token scale, 0 for a masked truncated completion: grpo_loss.token_scales), `mask`
 (1 for tokens of unmasked completions), and on the device later `old_logps` (mu > 1) and
 `ref_logps` (beta > 0). A micro-batch with image prompts carries each prompt's images once
-(`put_sample_images`): its completions' rows take the same tower features through
+(`sample_images`): its completions' rows take the same tower features through
 `image_feature_index` (data/vision.py `packed_images` with owners).
 """
 
@@ -40,7 +40,7 @@ from slipstream.data.formats import text_content
 from slipstream.data.images import has_images, undecoded_images, vision_messages
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
 from slipstream.data.rows import DataReport, Encoded, RowError, encode_rows
-from slipstream.data.vision import ImageExample, ImageProcessing, put_images
+from slipstream.data.vision import ImageExample, ImageProcessing, build_with_images
 from slipstream.objectives.pairs import _template  # the pairs' template_error rule
 
 
@@ -162,12 +162,12 @@ class Sample:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
-def put_sample_images(builder: PackedBuilder, sequences: Sequence[Sample]) -> tuple:
-    """The image fields of a micro-batch of samples being built (data/vision.py `put_images`):
-    each prompt's images placed once, at its first sample; the other samples of that prompt
-    take the same feature rows (`image_feature_index`: the tower runs once a prompt). Qwen-VL:
-    a completion's 3-D positions go on from its prompt's largest + 1 (transformers'
-    rope_deltas). -> the image spans for the built batch's `seq.image_spans`."""
+def sample_images(sequences: Sequence[Sample]) -> tuple[list, list, list]:
+    """(placed, sequences, owners) of a micro-batch of samples, as data/vision.py's
+    `build_with_images` takes them: each prompt's images placed once, at its first sample;
+    the other samples of that prompt take the same feature rows (`image_feature_index`: the
+    tower runs once a prompt). Qwen-VL: a completion's 3-D positions go on from its prompt's
+    largest + 1 (transformers' rope_deltas)."""
     placed, owners, seen, full, start = [], [], {}, [], 0
     for s in sequences:
         ids = s.prompt_ids + s.completion_ids
@@ -178,7 +178,7 @@ def put_sample_images(builder: PackedBuilder, sequences: Sequence[Sample]) -> tu
             placed.append((start, s.image))  # the prompt's image rows; the completion has none
             full.append(s.image.followed_by_text(len(s.image.input_ids), ids))
         start += len(ids)
-    return put_images(builder, placed, full, owners) if placed else ()
+    return placed, full, owners
 
 
 @dataclass(eq=False)
@@ -217,10 +217,7 @@ def collate_rollouts(sequences: Sequence[Sample], loss_type: str, max_completion
         builder.add(full, [(len(s.prompt_ids), len(full))], advantages=s.advantage,
                     scales=scale, mask=0.0 if s.masked else 1.0)  # fmt: skip
     tokens = sum(n for n, s in zip(lengths, sequences, strict=True) if not s.masked)
-    spans = put_sample_images(builder, sequences)
-    packed = builder.build()
-    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
-        packed.seq.image_spans = spans
+    packed = build_with_images(builder, *sample_images(sequences))
     return RolloutBatch(packed, len(sequences), tokens, weight, weight / max(tokens, 1))
 
 

@@ -61,7 +61,7 @@ from slipstream.data.formats import text_content
 from slipstream.data.images import has_images, undecoded_images, vision_messages
 from slipstream.data.packed import PackedBuilder, PackedView, PerSpan, packed_field, target_spans
 from slipstream.data.rows import DataReport, Encoded, LengthLimit, RowError, encode_rows
-from slipstream.data.vision import ImageExample, ImageProcessing, put_images
+from slipstream.data.vision import ImageExample, ImageProcessing, build_with_images
 
 PAIR_COLUMNS = ("chosen", "rejected")
 
@@ -385,11 +385,7 @@ def collate_pairs(
                 placed.append((start, ex.images[j]))
             sequences.append(ex.images[j] if ex.images is not None else seq_ids)
             start += n
-    spans = put_images(builder, placed, sequences, owners) if placed else ()
-    batch = builder.build()
-    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
-        batch.seq.image_spans = spans
-    return PairBatch(batch, P, num_chosen)
+    return PairBatch(build_with_images(builder, placed, sequences, owners), P, num_chosen)
 
 
 def _prompt_spans(ex: PairExample) -> list[tuple[int, int]]:

@@ -32,9 +32,9 @@ import torch
 
 from slipstream import distributed as dist
 from slipstream.data.packed import PackedBuilder, PackedView, packed_field
-from slipstream.data.vision import image_inputs
+from slipstream.data.vision import build_with_images, image_inputs
 from slipstream.objectives.grpo import GRPO
-from slipstream.objectives.grpo_data import Sample, put_sample_images
+from slipstream.objectives.grpo_data import Sample, sample_images
 from slipstream.objectives.logps import segment_sums
 from slipstream.objectives.rloo_config import RLOOSection
 from slipstream.objectives.rloo_loss import leave_one_out, normalise, sequence_losses
@@ -71,10 +71,8 @@ def collate_samples(samples: list[Sample], indices: list[int]) -> RLOOBatch:
         full = s.prompt_ids + s.completion_ids  # only the completion's tokens are scored
         builder.add(full, [(len(s.prompt_ids), len(full))], segments=k,
                     mask=0.0 if s.masked else 1.0, sample=i, advantages=0.0)  # fmt: skip
-    spans = put_sample_images(builder, [samples[i] for i in indices])  # a prompt's images once
-    packed = builder.build()
-    if spans:  # Gemma 3: each image's rows see one another (ops/attention.py)
-        packed.seq.image_spans = spans
+    # A prompt's images once (grpo_data.sample_images).
+    packed = build_with_images(builder, *sample_images([samples[i] for i in indices]))
     return RLOOBatch(packed, len(indices))
 
 
