@@ -196,12 +196,13 @@ def _load(
     from slipstream.peft import qlora
 
     where = f"{source}/config.json"
-    fp8 = check_quantization(hf, where)
+    fp8, base_quantization = check_quantization(hf, where), None
     if fp8 is not None:  # checked from the headers before a weight loads; dequantised as read
         count = check_fp8_tensors(safetensors_headers(folder, _safetensors_files(folder)), fp8,
                                   source)  # fmt: skip
         hf = without_quantization(hf)
         tensors = dequantized(tensors, dtype, device, source)
+        base_quantization = _dequantized_from(fp8, count, dtype)
     name, why = choose_family(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     family = family_spec(hf.get("model_type"), where, implementation, hf, trust_remote_code)
     if family.load is not None:
@@ -211,7 +212,7 @@ def _load(
         model = family.load(hf, folder, dtype, device, quantize, source, trust_remote_code)
         model.load_path = f"{hf.get('model_type')}: {why}"
         model.checkpoint_path = Path(source)
-        model.base_quantization = _dequantized_from(fp8, count, dtype) if fp8 else None
+        model.base_quantization = base_quantization
         return model
     cfg = family.config_from_hf(hf)
     weights = family.weights(cfg)
@@ -231,7 +232,7 @@ def _load(
         raise ValueError(f"{source}: checkpoint is missing tensor {missing[0]!r}{more}.")
     model.checkpoint_path = Path(source)  # where save_model finds the tensors it passes through
     model.load_path = f"{hf.get('model_type')}: {why}"
-    model.base_quantization = _dequantized_from(fp8, count, dtype) if fp8 else None
+    model.base_quantization = base_quantization
     return model
 
 
