@@ -65,6 +65,18 @@ def noisy(values, seed, scale=0.3):
     return values + scale * torch.randn(values.shape, generator=g)
 
 
+def padded_values(values_N, samples, length: int) -> torch.Tensor:
+    """(S, length): the samples' flat per-token values (completion tokens in sample order),
+    right-padded with zeros as TRL's per-token tensors are."""
+    out = torch.zeros(len(samples), length)
+    start = 0
+    for i, s in enumerate(samples):
+        n = len(s.completion_ids)
+        out[i, :n] = values_N[start : start + n]
+        start += n
+    return out
+
+
 def padded_completions(samples, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids, completion mask), (S, length) each, right-padded as TRL's rollout
     hands them to its loss; a masked sample's mask is all zeros."""

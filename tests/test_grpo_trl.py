@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.models import make_hf_model
 from helpers.tokenizers import save_test_tokenizer
-from test_grpo import TINY, FixedRewards, grads, noisy, padded_completions
+from test_grpo import TINY, FixedRewards, grads, noisy, padded_completions, padded_values
 
 from slipstream.checkpoint.hf import load_model
 from slipstream.objectives.grpo import GRPO
@@ -89,12 +89,7 @@ def test_loss_and_gradients_equal_trl(setup, loss_type, off_policy, implementati
         with torch.no_grad():
             logps_N = -model.loss(batch.input_ids, batch.labels, batch.seq, reduction="none",
                                   label_positions=batch.positions, temperature=TEMP)  # fmt: skip
-        padded = torch.zeros(len(samples), MAX_LEN)
-        start = 0
-        for i, s in enumerate(samples):
-            n = len(s.completion_ids)
-            padded[i, :n] = logps_N[start : start + n]
-            start += n
+        padded = padded_values(logps_N, samples, MAX_LEN)
         inputs["old_per_token_logps"] = noisy(padded, 1)
         inputs["ref_per_token_logps"] = noisy(padded, 2)
         batch.old_logps = flat(inputs["old_per_token_logps"], samples)

@@ -40,7 +40,7 @@ from helpers.tiny_vlm import (
     randomise_constant_tensors,
     vlm_folder,
 )
-from test_grpo import noisy, padded_completions
+from test_grpo import noisy, padded_completions, padded_values
 
 import slipstream
 from slipstream.data.vision import FEATURE_INDEX, ImageProcessing
@@ -144,16 +144,6 @@ def _trl_inputs(trainer, samples, rows):
     return inputs
 
 
-def _padded(values_N, samples):
-    out = torch.zeros(len(samples), MAX_LEN)
-    start = 0
-    for i, s in enumerate(samples):
-        n = len(s.completion_ids)
-        out[i, :n] = values_N[start : start + n]
-        start += n
-    return out
-
-
 def _flat(x_SL, samples):
     return torch.cat([x_SL[i, : len(s.completion_ids)] for i, s in enumerate(samples)])
 
@@ -192,8 +182,8 @@ def test_grpo_loss_and_lora_grads_equal_trl(tmp_path, kind, case):
     if off:  # stored old log-probs (mu > 1) and a reference, both near the policy's
         with torch.no_grad():
             logps_N = GRPO.token_logps(model, batch, TEMP)
-        inputs["old_per_token_logps"] = noisy(_padded(logps_N, samples), 1, 0.1)
-        inputs["ref_per_token_logps"] = noisy(_padded(logps_N, samples), 2, 0.1)
+        inputs["old_per_token_logps"] = noisy(padded_values(logps_N, samples, MAX_LEN), 1, 0.1)
+        inputs["ref_per_token_logps"] = noisy(padded_values(logps_N, samples, MAX_LEN), 2, 0.1)
         batch.old_logps = _flat(inputs["old_per_token_logps"], samples)
         batch.ref_logps = _flat(inputs["ref_per_token_logps"], samples)
     trainer.loss_type, trainer.beta = loss_type, beta
